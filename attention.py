@@ -31,6 +31,11 @@ import torch.nn.functional as F
 EPS = 1e-6  # the denominator's eps: y = num / (den + EPS), in float32
 
 
+def _acc(x):
+    """x in its accumulation dtype: float32, or float64 when given float64 (for float64 reference checks)."""
+    return x.double() if x.dtype == torch.float64 else x.float()
+
+
 def _check_qk(q, k, head_dim=None, n_heads=None):
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"expected q and k of shape (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -92,7 +97,7 @@ class FeatureMap(nn.Module):
 
     def forward(self, q, k, offset=0):
         _check_qk(q, k, self.head_dim, self.n_heads)
-        return self.phi(q.float(), 'q', offset), self.phi(k.float(), 'k', offset)
+        return self.phi(_acc(q), 'q', offset), self.phi(_acc(k), 'k', offset)
 
     def extra_repr(self):
         return f"head_dim={self.head_dim}, n_heads={self.n_heads}, feature_dim={self.feature_dim}"
@@ -100,8 +105,8 @@ class FeatureMap(nn.Module):
 
 def _per_head_linear(x, weight, bias=None):
     """x (B, H, T, D) @ weight (H, F, D)^T + bias (H, F) -> (B, H, T, F): one Linear per head."""
-    y = torch.einsum('bhtd,hfd->bhtf', x, weight.float())
-    return y if bias is None else y + bias.float()[None, :, None, :]
+    y = torch.einsum('bhtd,hfd->bhtf', x, weight.to(x.dtype))
+    return y if bias is None else y + bias.to(x.dtype)[None, :, None, :]
 
 
 class EluFeatureMap(FeatureMap):
@@ -134,7 +139,8 @@ class T2RFeatureMap(FeatureMap):
 
 
 def _orthogonal_gaussian(n_heads, m, d, generator=None):
-    """(n_heads, m, d) random features: blocks of d orthogonal rows (QR of a Gaussian), each row rescaled
+    """(n_heads, m, d) random features: blocks of d orthogonal rows (QR of a Gaussian, with the signs of R's
+    diagonal folded into Q so the rotation is uniformly (Haar) distributed), each row rescaled
     to the norm of an independent N(0, I_d) vector, so every row is marginally N(0, I_d)
     (Choromanski et al. 2020, Sec. 2.4 orthogonal random features)."""
     rows = []
@@ -142,7 +148,8 @@ def _orthogonal_gaussian(n_heads, m, d, generator=None):
         blocks = []
         for _ in range(math.ceil(m / d)):
             g = torch.randn(d, d, generator=generator)
-            qmat, _ = torch.linalg.qr(g)
+            qmat, r = torch.linalg.qr(g)
+            qmat = qmat * torch.sign(torch.diagonal(r))  # sign fix: makes Q Haar-distributed (else biased)
             blocks.append(qmat.T)
         w = torch.cat(blocks, 0)[:m]
         norms = torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True)
@@ -343,13 +350,14 @@ class LLNFeatureMap(FeatureMap):
 
     def forward(self, q, k, offset=0):
         _check_qk(q, k, self.head_dim, self.n_heads)
-        alpha, beta = (t.float()[None, :, None, None] for t in self.alpha_beta())
-        phi_q, phi_k = torch.exp(alpha * q.float()), torch.exp(beta * k.float())
+        q, k = _acc(q), _acc(k)
+        alpha, beta = (t.to(q.dtype)[None, :, None, None] for t in self.alpha_beta())
+        phi_q, phi_k = torch.exp(alpha * q), torch.exp(beta * k)
         if self.training:
             with torch.no_grad():
                 m = self.momentum
-                self.sigma2_q.lerp_(self._head_var(q), m)
-                self.sigma2_k.lerp_(self._head_var(k), m)
+                self.sigma2_q.lerp_(self._head_var(q).to(self.sigma2_q.dtype), m)
+                self.sigma2_k.lerp_(self._head_var(k).to(self.sigma2_k.dtype), m)
         return phi_q, phi_k
 
 
@@ -370,7 +378,7 @@ class DoFFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         D, M = self.head_dim, self.feature_dim
         u = _per_head_linear(x, self.z) * D ** -0.25 - (x * x).sum(-1, keepdim=True) / (2 * math.sqrt(D))
-        return torch.exp(u + 0.5 * self.log_a.float()[None, :, None, :]) / math.sqrt(M)
+        return torch.exp(u + 0.5 * self.log_a.to(x.dtype)[None, :, None, :]) / math.sqrt(M)
 
 
 FEATURE_MAPS = {
@@ -420,8 +428,7 @@ def _check_linear_inputs(phi_q, phi_k, v, impl, initial_state):
 
 def _zero_state(phi_k, v):
     B, H, _, Fd = phi_k.shape
-    return (phi_k.new_zeros(B, H, Fd, v.shape[-1], dtype=torch.float32),
-            phi_k.new_zeros(B, H, Fd, dtype=torch.float32))
+    return phi_k.new_zeros(B, H, Fd, v.shape[-1]), phi_k.new_zeros(B, H, Fd)
 
 
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None):
@@ -429,9 +436,9 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     num_t = phi_q_t^T S_t, den_t = phi_q_t^T z_t, with S_t, z_t over s <= t (causal) or all s (bidirectional),
     starting from initial_state (S_0, z_0). The final state includes every token."""
     _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
-    q, k, v = phi_q.float(), phi_k.float(), v.float()
+    q, k, v = _acc(phi_q), _acc(phi_k), _acc(v)
     S0, z0 = initial_state if initial_state is not None else _zero_state(k, v)
-    S0, z0 = S0.float(), z0.float()
+    S0, z0 = S0.to(q.dtype), z0.to(q.dtype)
     S_all = S0 + k.transpose(-2, -1) @ v  # (B, H, F, D)
     z_all = z0 + k.sum(-2)  # (B, H, F)
 
@@ -471,8 +478,9 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     q, k, v = (t.view(B, H, n, C, t.shape[-1]) for t in (q, k, v))  # (B, H, n, C, *)
     kv = k.transpose(-2, -1) @ v  # (B, H, n, F, D) per-chunk sum of phi_k v^T
     ks = k.sum(-2)  # (B, H, n, F)
-    S_prev = S0[:, :, None] + torch.cumsum(kv, 2) - kv  # state before each chunk
-    z_prev = z0[:, :, None] + torch.cumsum(ks, 2) - ks
+    # state before each chunk: exclusive cumsum as a shifted cumsum (cumsum - kv would leave rounding residue)
+    S_prev = S0[:, :, None] + F.pad(torch.cumsum(kv, 2), (0, 0, 0, 0, 1, -1))
+    z_prev = z0[:, :, None] + F.pad(torch.cumsum(ks, 2), (0, 0, 1, -1))
     A = (q @ k.transpose(-2, -1)).tril()  # (B, H, n, C, C)
     num = A @ v + q @ S_prev  # (B, H, n, C, D)
     den = A.sum(-1) + (q @ z_prev[..., None]).squeeze(-1)  # (B, H, n, C)
@@ -541,12 +549,10 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
     of `window` queries against 2-3 blocks of keys, the linear part by shifting keys `window` steps."""
     B, H, T, D = q.shape
     w = window
-    g = factor.float().view(1, H, 1, 1)
+    g = factor.to(_acc(q).dtype).view(1, H, 1, 1)
     # the window (softmax) part, blockwise
-    qb = F.pad(q.float(), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, D)  # (B, H, n, w, D)
-    kb, vb = _band_blocks(k.float(), w), _band_blocks(v.float(), w)  # (B, H, n, 3w, D)
-    pqb = F.pad(phi_q.float(), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, phi_q.shape[-1])
-    pkb = _band_blocks(phi_k.float(), w)
+    qb = F.pad(_acc(q), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, D)  # (B, H, n, w, D)
+    kb, vb = _band_blocks(_acc(k), w), _band_blocks(_acc(v), w)  # (B, H, n, 3w, D)
     n = qb.shape[2]
     i = torch.arange(n, device=q.device)[:, None, None] * w + torch.arange(w, device=q.device)[None, :, None]
     j = torch.arange(n, device=q.device)[:, None, None] * w - w + torch.arange(3 * w, device=q.device)[None, None, :]
@@ -560,7 +566,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
     m = s.amax(-1, keepdim=True).clamp_min(-1e30)  # every real row has itself in its window
     a_sm = torch.exp(s - m)  # (B, H, n, w, 3w)
     # the linear part: keys outside the window
-    pk = phi_k.float() if key_padding_mask is None else phi_k.float() * key_padding_mask[:, None, :, None]
+    pk = _acc(phi_k) if key_padding_mask is None else _acc(phi_k) * key_padding_mask[:, None, :, None]
     shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
     num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, impl, chunk_size)
     if not causal:  # plus keys j >= i + w: the same, run backwards in time
@@ -578,9 +584,9 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
     ii, jj = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
     win = ((ii - jj < w) & (ii >= jj)) if causal else ((ii - jj).abs() < w)
     lin = (ii - jj >= w) if causal else ((ii - jj).abs() >= w)
-    S = (q.float() @ k.float().transpose(-2, -1)) * D ** -0.5
+    S = (_acc(q) @ _acc(k).transpose(-2, -1)) * D ** -0.5
     E = torch.exp(S - m_t[..., None]).masked_fill(~win, 0.0)
-    L = (phi_q.float() @ pk.transpose(-2, -1)) * scale[..., None]
+    L = (_acc(phi_q) @ pk.transpose(-2, -1)) * scale[..., None]
     L = L.masked_fill(~lin, 0.0)
     if key_padding_mask is not None:
         E = E.masked_fill(~key_padding_mask[:, None, None, :], 0.0)
@@ -734,23 +740,23 @@ class Attention(nn.Module):
                 return y, None
             # state after T tokens: (S, z) over tokens <= T - w, the last w - 1 tokens in the window buffer
             cut = max(T - (w - 1), 0)
-            S = phi_k[:, :, :cut].transpose(-2, -1) @ v[:, :, :cut].float()
+            S = phi_k[:, :, :cut].transpose(-2, -1) @ _acc(v[:, :, :cut])
             z = phi_k[:, :, :cut].sum(-2)
             buf = {'k': k[:, :, cut:], 'v': v[:, :, cut:], 'phi_k': phi_k[:, :, cut:]}
             return y, {'kind': kind, 'offset': offset + T, 'S': S, 'z': z, **buf}
         # one token: softmax over buffer + itself, linear over the state
         kw, vw = torch.cat([state['k'], k], 2), torch.cat([state['v'], v], 2)
         pkw = torch.cat([state['phi_k'], phi_k], 2)
-        s = (q.float() @ kw.float().transpose(-2, -1)) * self.head_dim ** -0.5  # (B, H, 1, <=w)
+        s = (_acc(q) @ _acc(kw).transpose(-2, -1)) * self.head_dim ** -0.5  # (B, H, 1, <=w)
         m = s.amax(-1, keepdim=True)
         a = torch.exp(s - m)
-        scale = torch.exp(-m) * g.float().view(1, -1, 1, 1)
-        num = a @ vw.float() + scale * (phi_q @ state['S'])
+        scale = torch.exp(-m) * g.to(s.dtype).view(1, -1, 1, 1)
+        num = a @ _acc(vw) + scale * (phi_q @ state['S'])
         den = a.sum(-1, keepdim=True) + scale * (phi_q @ state['z'][..., None])
         y = (num / (den + self.eps)).to(v.dtype)
         S, z = state['S'], state['z']
         if kw.shape[-2] > w - 1:  # the oldest token leaves the window for the linear state
-            S = S + pkw[:, :, :1].transpose(-2, -1) @ vw[:, :, :1].float()
+            S = S + pkw[:, :, :1].transpose(-2, -1) @ _acc(vw[:, :, :1])
             z = z + pkw[:, :, 0]
             kw, vw, pkw = kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:]
         return y, {'kind': kind, 'offset': offset + 1, 'S': S, 'z': z, 'k': kw, 'v': vw, 'phi_k': pkw}

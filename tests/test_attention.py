@@ -1,0 +1,371 @@
+import math
+
+import pytest
+import torch
+
+import attention as A
+
+MAPS = list(A.FEATURE_MAPS)
+B, H, D = 2, 3, 8
+
+
+def qkv(T=37, D=D, seed=0, scale=1.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, H, T, D, generator=g) * scale).to(dtype) for _ in range(3)]
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("name", MAPS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_three_paths_agree_forward_and_backward(name, causal):
+    """Outputs and gradients (of q, k, v through the map) agree to 1e-5 of their scale in fp32 and to
+    1e-9 in float64. (ReLU maps with near-zero denominators are the sensitive case: an exclusive cumsum
+    written as cumsum - x once broke the fp32 gradient bound there.)"""
+    torch.manual_seed(0)
+    fmap = A.make_feature_map(name, D, H)
+    for dtype, tol_y, tol_g in ((torch.float32, 1e-5, 1e-5), (torch.float64, 1e-12, 1e-9)):
+        q, k, v = qkv(T=37, dtype=dtype)  # 37: not a multiple of the chunk size 8
+        fmap = fmap.to(dtype).eval()  # eval: LLN's statistics stay fixed between the three calls
+        outs, grads = {}, {}
+        for impl in A.IMPLS:
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            phi_q, phi_k = fmap(qq, kk)
+            y = A.linear_attention(phi_q, phi_k, vv, causal=causal, impl=impl, chunk_size=8)
+            (y * torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y)).sum().backward()
+            outs[impl], grads[impl] = y.detach(), [t.grad for t in (qq, kk, vv)]
+        for impl in ('chunked', 'recurrent'):
+            assert rel_err(outs[impl], outs['quadratic']) <= tol_y, (impl, dtype)
+            for g, g_ref in zip(grads[impl], grads['quadratic']):
+                assert rel_err(g, g_ref) <= tol_g, (impl, dtype, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("impl", A.IMPLS)
+def test_state_carry_over(impl):
+    q, k, v = qkv(T=29)
+    phi_q, phi_k = A.make_feature_map('hedgehog', D, H)(q, k)
+    y_full, (S, z) = A.linear_attention(phi_q, phi_k, v, impl=impl, chunk_size=8, return_state=True)
+    y1, st = A.linear_attention(phi_q[:, :, :13], phi_k[:, :, :13], v[:, :, :13], impl=impl, chunk_size=8,
+                                return_state=True)
+    y2, (S2, z2) = A.linear_attention(phi_q[:, :, 13:], phi_k[:, :, 13:], v[:, :, 13:], impl=impl,
+                                      chunk_size=8, initial_state=st, return_state=True)
+    assert rel_err(torch.cat([y1, y2], 2), y_full) < 1e-5
+    assert rel_err(S2, S) < 1e-5 and rel_err(z2, z) < 1e-5
+
+
+def test_linear_attention_matches_definition():
+    """The chunked path against the formula written out with a loop in float64."""
+    q, k, v = qkv(T=11)
+    phi_q, phi_k = A.make_feature_map('elu', D, H)(q, k)
+    y = A.linear_attention(phi_q, phi_k, v, impl='chunked', chunk_size=4)
+    pq, pk, vd = phi_q.double(), phi_k.double(), v.double()
+    ref = torch.zeros_like(vd)
+    for t in range(11):
+        w = (pq[:, :, t:t + 1] * pk[:, :, :t + 1]).sum(-1)  # (B, H, t+1)
+        ref[:, :, t] = (w[..., None] * vd[:, :, :t + 1]).sum(2) / (w.sum(-1, keepdim=True) + A.EPS)
+    assert rel_err(y.double(), ref) < 1e-6
+
+
+CORES = [(n, {}) for n in MAPS + ['softmax']] + [(n, kw) for n in MAPS for kw in ({'window': 4}, {'diag_block': 5})]
+
+
+@pytest.mark.parametrize("name,kw", CORES)
+def test_causality(name, kw):
+    q, k, v = qkv(T=21)
+    core = A.Attention(name, D, H, causal=True, chunk_size=8, **kw).eval()
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    t0 = 12
+    for t in (q2, k2, v2):
+        t[:, :, t0 + 1:] = torch.randn_like(t[:, :, t0 + 1:]) * 3
+    impls = A.IMPLS if not kw else ('chunked',)
+    for impl in impls:
+        core.impl = impl
+        y, y2 = core(q, k, v), core(q2, k2, v2)
+        assert torch.allclose(y[:, :, :t0 + 1], y2[:, :, :t0 + 1], atol=1e-6), impl
+        assert not torch.allclose(y[:, :, t0 + 1:], y2[:, :, t0 + 1:], atol=1e-3)
+
+
+def test_lln_causal_in_training_mode():
+    """LLN's statistics are buffers updated after the forward: training-mode outputs stay causal."""
+    q, k, v = qkv(T=21, scale=2.0)
+    core = A.Attention('lln', D, H).train()
+    q2, k2 = q.clone(), k.clone()
+    q2[:, :, 13:] *= 5
+    k2[:, :, 13:] *= 5
+    state = {n: b.clone() for n, b in core.named_buffers()}
+    y = core(q, k, v)
+    for n, b in core.named_buffers():  # reset the EMA so both calls see the same statistics
+        b.copy_(state[n])
+    y2 = core(q2, k2, v)
+    assert torch.allclose(y[:, :, :13], y2[:, :, :13], atol=1e-6)
+
+
+def test_taylor_identity():
+    q, k, _ = qkv(T=9)
+    phi_q, phi_k = A.make_feature_map('taylor', D, H)(q, k)
+    s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(D)
+    assert torch.allclose((phi_q.double() @ phi_k.double().transpose(-2, -1)), 1 + s + s ** 2 / 2, rtol=1e-5)
+    assert phi_q.shape[-1] == 1 + D + D * D
+
+
+def test_performer_unbiased():
+    """Mean of phi(q).phi(k) over independent draws of the random features -> exp(q.k / sqrt(D)),
+    within 4 standard errors of the Monte-Carlo mean."""
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 1, 1, 5, D, generator=g) * 0.5
+    exact = torch.exp((q @ k.transpose(-2, -1)) / math.sqrt(D)).double()
+    draws = []
+    for seed in range(400):
+        fmap = A.make_feature_map('performer', D, 1, feature_dim=16, stabilize=False, seed=seed)
+        pq, pk = fmap(q, k)
+        draws.append((pq @ pk.transpose(-2, -1)).double())
+    draws = torch.stack(draws)
+    mean, se = draws.mean(0), draws.std(0) / math.sqrt(len(draws))
+    assert ((mean - exact).abs() <= 4 * se + 1e-6).all(), ((mean - exact) / se).abs().max()
+    # and the stabiliser cancels in the normalised output
+    v = torch.randn(1, 1, 5, D, generator=g)
+    f1 = A.make_feature_map('performer', D, 1, stabilize=True, seed=3)
+    f0 = A.make_feature_map('performer', D, 1, stabilize=False, seed=3)
+    assert rel_err(A.linear_attention(*f1(q, k), v), A.linear_attention(*f0(q, k), v)) < 1e-5
+
+
+def test_performer_redraw():
+    fmap = A.make_feature_map('performer', D, H, redraw_interval=2, seed=0).train()
+    q, k, _ = qkv(T=4)
+    w0 = fmap.omega.clone()
+    fmap(q, k), fmap(q, k)
+    assert torch.equal(w0, fmap.omega)
+    fmap(q, k)
+    assert not torch.equal(w0, fmap.omega)
+
+
+def test_cosformer_independent_of_current_length():
+    q, k, v = qkv(T=30)
+    core = A.Attention('cosformer', D, H, max_len=64)
+    y_long = core(q, k, v)
+    y_short = core(q[:, :, :17], k[:, :, :17], v[:, :, :17])
+    assert torch.allclose(y_long[:, :, :17], y_short, atol=1e-6)
+    with pytest.raises(ValueError, match="max_len"):
+        A.make_feature_map('cosformer', D, H, max_len=16)(q, k)
+
+
+def test_cosformer_kernel_is_cos_reweighted_relu():
+    q, k, _ = qkv(T=6)
+    phi_q, phi_k = A.make_feature_map('cosformer', D, H, max_len=10)(q, k, offset=3)
+    pos = torch.arange(3, 9, dtype=torch.float32)
+    expect = (q.relu() @ k.relu().transpose(-2, -1)) * torch.cos(math.pi * (pos[:, None] - pos[None, :]) / 20)
+    assert torch.allclose(phi_q @ phi_k.transpose(-2, -1), expect, atol=1e-5)
+
+
+@pytest.mark.parametrize("softmax_dim", [False, True])
+def test_hedgehog_identity_init_is_spiky(softmax_dim):
+    x, _, _ = qkv(T=16)
+    fmap = A.make_feature_map('hedgehog', D, H, softmax_dim=softmax_dim)
+    phi_q, phi_k = fmap(x, x)
+    w = A.linear_attention_weights(phi_q, phi_k, causal=False)
+    s = x.double()[..., :, None, :] + x.double()[..., None, :, :]  # q_i + k_j, (B, H, T, T, D)
+    if softmax_dim:  # [softmax(x), softmax(-x)]: sum_m e^{q_m + k_m} / (Z_q Z_k) + sum_m e^{-q_m - k_m} / (Z'_q Z'_k)
+        zp, zm = x.double().exp().sum(-1), (-x.double()).exp().sum(-1)
+        kern = s.exp().sum(-1) / (zp[..., :, None] * zp[..., None, :]) + \
+            (-s).exp().sum(-1) / (zm[..., :, None] * zm[..., None, :])
+    else:  # [exp(x), exp(-x)]: sum_m 2 cosh(q_m + k_m)
+        kern = (2 * s.cosh()).sum(-1)
+    assert torch.allclose(w.double(), kern / kern.sum(-1, keepdim=True), atol=1e-6)
+    if not softmax_dim:  # spiky: lower entropy and more weight on itself than 1 + ELU, and (like softmax,
+        # unlike ReLU) spikier the larger the inputs
+        elu = A.linear_attention_weights(*A.make_feature_map('elu', D, H)(x, x), causal=False)
+        assert A.attention_entropy(w).mean() < A.attention_entropy(elu).mean()
+        assert torch.diagonal(w, dim1=-2, dim2=-1).mean() > 1.5 * torch.diagonal(elu, dim1=-2, dim2=-1).mean()
+        w2 = A.linear_attention_weights(*fmap(2 * x, 2 * x), causal=False)
+        assert A.attention_entropy(w2).mean() < A.attention_entropy(w).mean() - 0.5
+
+
+@pytest.mark.parametrize("name", ['t2r', 'hedgehog', 'lolcats', 'dof'])
+def test_gradients_reach_trainable_maps(name):
+    q, k, v = qkv(T=12)
+    core = A.Attention(name, D, H, window=4) if name == 'hedgehog' else A.Attention(name, D, H)
+    core(q, k, v).square().sum().backward()
+    params = dict(core.named_parameters())
+    assert params, name
+    for n, p in params.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+EXP_MAPS = [('hedgehog', {}), ('hedgehog', {'softmax_dim': False}), ('lolcats', {}),
+            ('lolcats', {'softmax_dim': False}), ('lln', {}), ('performer', {}), ('dof', {}),
+            ('exp', {'temperature': 2.0})]
+
+
+@pytest.mark.parametrize("name,opts", EXP_MAPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exp_maps_finite_in_half_precision(name, opts, dtype):
+    q, k, v = qkv(T=19, scale=8.0)
+    q, k = q.clamp(-20, 20), k.clamp(-20, 20)
+    q[..., 0, :], k[..., 1, :] = 20.0, -20.0
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    fmap = A.make_feature_map(name, D, H, **opts).to(dtype)
+    phi_q, phi_k = fmap(q, k)
+    assert torch.isfinite(phi_q).all() and torch.isfinite(phi_k).all()
+    for impl in A.IMPLS:
+        y = A.linear_attention(phi_q, phi_k, v, impl=impl, chunk_size=8)
+        assert y.dtype == dtype and torch.isfinite(y).all(), impl
+
+
+def test_lln_fit_constants():
+    a, b = A.lln_fit(64)
+    one = torch.ones(1, dtype=torch.float64)
+    alpha, beta = A.lln_alpha_beta(one, one, 64)
+    assert 2.0 <= alpha.item() <= 2.2 and torch.allclose(alpha, beta)
+    assert abs(a - 0.1486) < 0.03 and abs(b + 0.3549) < 0.15  # near the paper's d = 64 values
+    # calibration: alpha, beta follow the statistics (smaller variance -> larger alpha)
+    fmap = A.make_feature_map('lln', D, H)
+    q, k, _ = qkv(T=50)
+    fmap.calibrate(q * 0.5, k * 2.0)
+    al, be = fmap.alpha_beta()
+    assert (al > be).all()
+
+
+def naive_window_hybrid(q, k, v, phi_q, phi_k, w, g, causal):
+    """LoLCATs Eq. 8 written out: one loop over queries, float64."""
+    q, k, v, pq, pk = (t.double() for t in (q, k, v, phi_q, phi_k))
+    T = q.shape[-2]
+    y = torch.zeros_like(v)
+    for i in range(T):
+        num, den = 0, 0
+        for j in range(T):
+            if causal and j > i:
+                continue
+            if (i - j < w) if causal else (abs(i - j) < w):
+                a = torch.exp((q[:, :, i] * k[:, :, j]).sum(-1) / math.sqrt(q.shape[-1]))
+            else:
+                a = g.double()[None, :] * (pq[:, :, i] * pk[:, :, j]).sum(-1)
+            num, den = num + a[..., None] * v[:, :, j], den + a[..., None]
+        y[:, :, i] = num / den
+    return y
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_hybrid_matches_equation(causal):
+    q, k, v = qkv(T=13)
+    core = A.Attention('hedgehog', D, H, causal=causal, window=4)
+    with torch.no_grad():
+        core.window_factor.copy_(torch.tensor([-1.0, 0.0, 2.0]))
+    phi_q, phi_k = core.fmap(q, k)
+    ref = naive_window_hybrid(q, k, v, phi_q, phi_k, 4, torch.sigmoid(core.window_factor.detach()), causal)
+    assert rel_err(core(q, k, v).double(), ref) < 1e-5
+    assert rel_err((core.weights(q, k) @ v).double(), ref) < 1e-5
+    assert torch.allclose(torch.sigmoid(torch.tensor(0.1)), torch.sigmoid(A.Attention('hedgehog', D, H, window=4).window_factor[0]))
+
+
+@pytest.mark.parametrize("name,kw", [('softmax', {})] + [(n, kw) for n in ('hedgehog', 'cosformer')
+                                                       for kw in ({}, {'window': 4}, {'diag_block': 5})])
+def test_decode_state_matches_parallel(name, kw):
+    q, k, v = qkv(T=17)
+    core = A.Attention(name, D, H, **kw)
+    y = core(q, k, v)
+    yp, st = core(q[:, :, :6], k[:, :, :6], v[:, :, :6], return_state=True)
+    outs = [yp]
+    sizes = []
+    for t in range(6, 17):
+        yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        outs.append(yt)
+        sizes.append(A.state_nbytes(st))
+    assert rel_err(torch.cat(outs, 2), y) < 1e-5
+    if name == 'softmax':
+        assert sizes[-1] > sizes[0]  # the KV cache grows
+    else:
+        assert max(sizes[5:]) <= max(sizes[:5])  # bounded: the window / partial-block buffer never grows
+    # a multi-token continuation gives the same as token-by-token
+    y2, _ = core(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], state=core(q[:, :, :6], k[:, :, :6], v[:, :, :6],
+                                                                 return_state=True)[1], return_state=True)
+    assert rel_err(y2, y[:, :, 6:]) < 1e-5
+
+
+def test_diag_hybrid_is_average_of_block_softmax_and_linear():
+    q, k, v = qkv(T=13)
+    core = A.Attention('lln', D, H, causal=True, diag_block=4).eval()
+    phi_q, phi_k = core.fmap(q, k)
+    lin = A.linear_attention(phi_q, phi_k, v, impl='quadratic')
+    blk = torch.zeros_like(v)
+    for s in range(0, 13, 4):
+        e = min(s + 4, 13)
+        blk[:, :, s:e] = A.softmax_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], causal=True)
+    assert rel_err(core(q, k, v), 0.5 * (lin + blk)) < 1e-5
+
+
+def test_key_padding_mask_bidirectional():
+    q, k, v = qkv(T=10)
+    mask = torch.ones(B, 10, dtype=torch.bool)
+    mask[0, 7:] = False
+    for kw in [{}, {'window': 3}, {'diag_block': 4}]:
+        for name in ['softmax', 'hedgehog']:
+            if name == 'softmax' and kw:
+                continue
+            core = A.Attention(name, D, H, causal=False, **kw)
+            y = core(q, k, v, key_padding_mask=mask)
+            y_cut = core(q[:1, :, :7], k[:1, :, :7], v[:1, :, :7])
+            assert rel_err(y[:1, :, :7], y_cut) < 1e-5, (name, kw)
+
+
+def test_softmax_attention_matches_weights_and_teacher_mode():
+    q, k, v = qkv(T=9)
+    assert rel_err(A.softmax_attention(q, k, v), A.softmax_weights(q, k) @ v) < 1e-5
+    core = A.Attention('elu', D, H)
+    core.teacher = True
+    assert rel_err(core(q, k, v), A.softmax_attention(q, k, v)) < 1e-6
+
+
+def test_metrics():
+    T = 6
+    uniform = torch.full((1, 1, T, T), 1 / T)
+    assert torch.allclose(A.attention_entropy(uniform), torch.full((1, 1, T), math.log(T)))
+    assert torch.allclose(A.spectral_gap(uniform), torch.ones(1, 1, dtype=torch.float64))
+    ident = torch.eye(T)[None, None]
+    assert torch.allclose(A.spectral_gap(ident), torch.zeros(1, 1, dtype=torch.float64))
+    P = torch.tensor([[0.9, 0.1], [0.2, 0.8]], dtype=torch.float64)[None, None]  # eigenvalues 1 and 0.7
+    assert abs(A.spectral_gap(P).item() - 0.3) < 1e-9
+    q, k, _ = qkv(T=12)
+    w = A.softmax_weights(q, k, causal=True)
+    rho, (s, ww) = A.monotonicity(w, q, k, causal=True)
+    assert torch.allclose(rho, torch.ones_like(rho)) and s.shape == ww.shape
+    from scipy.stats import spearmanr
+    w2 = A.linear_attention_weights(*A.make_feature_map('exp', D, H)(q, k), causal=False)
+    rho2, _ = A.monotonicity(w2, q, k, causal=False)
+    ref = sum(spearmanr(w2[0, 0, i].numpy(), (q[0, 0, i] @ k[0, 0].T).numpy())[0] for i in range(12)) / 12
+    assert abs(rho2[0, 0].item() - ref) < 1e-6
+    assert A.kl_divergence(w, w).abs().max() < 1e-6
+    assert (A.kl_divergence(w, w2) > 0).all()
+    ce = A.attention_cross_entropy(w, w)
+    assert torch.allclose(ce, A.attention_entropy(w).mean(), atol=1e-5)
+
+
+def test_losses():
+    q, k, v = qkv(T=7)
+    phi_q, phi_k = A.make_feature_map('dof', D, H)(q, k)
+    exact = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(D))
+    approx = phi_q @ phi_k.transpose(-2, -1)
+    mask = torch.ones(7, 7).tril().bool()
+    assert torch.allclose(A.kernel_l2(phi_q, phi_k, q, k), (approx - exact)[..., mask].square().mean())
+    assert torch.allclose(A.output_mse(q, k), (q - k).square().mean())
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="choose one of: elu, relu"):
+        A.make_feature_map('nope', D, H)
+    with pytest.raises(ValueError, match="choose one of: softmax, elu"):
+        A.Attention('nope', D, H)
+    with pytest.raises(ValueError, match="quadratic, chunked, recurrent"):
+        A.linear_attention(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), impl='fast')
+    q, k, v = qkv(T=5)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        A.make_feature_map('elu', 16, H)(q, k)
+    with pytest.raises(ValueError, match="n_heads mismatch"):
+        A.make_feature_map('hedgehog', D, H + 1)(q, k)
+    with pytest.raises(ValueError, match=r"\(B, H, T, D\)"):
+        A.make_feature_map('elu', D, H)(q[0], k[0])
+    with pytest.raises(ValueError, match="must be"):
+        A.linear_attention(q, k, v[:, :, :3])
+    with pytest.raises(ValueError, match="bad options"):
+        A.make_feature_map('elu', D, H, feature_dim=4)

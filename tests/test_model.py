@@ -1,0 +1,412 @@
+"""Tests for model.py: HF parity for GPT-2 / Llama / BERT, loading errors, generation (KV cache and
+recurrent state), checkpoints. Everything is tiny (n_embd 32, 2 layers, vocab 100) and runs on CPU."""
+import json
+import os
+
+import pytest
+import torch
+
+import model as M
+from attention import ATTN_CHOICES
+
+transformers = pytest.importorskip('transformers')
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+V = 100
+
+
+def tiny(family='gpt2', **kw):
+    base = dict(family=family, vocab_size=V, block_size=64, n_layer=2, n_head=4, n_embd=32)
+    if family == 'llama':
+        base.update(n_kv_head=2, bias=False, tie_embeddings=False, intermediate_size=64, norm_eps=1e-6)
+    base.update(kw)
+    torch.manual_seed(0)
+    return M.GPT(M.GPTConfig(**base)).eval()
+
+
+def _spread(model, scale=8.0):
+    """Make a random model's next-token distribution peaked, so greedy argmax has no near-ties."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+# ----------------------------------------------------------------------------- HF parity
+
+def _hf_gpt2(tmp_path, **kw):
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64, **kw)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def _hf_llama(tmp_path, **kw):
+    args = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                num_hidden_layers=2, vocab_size=V, max_position_embeddings=128)
+    args.update(kw)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**args)).eval()
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def _bert_cfg(**kw):
+    return transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                   num_hidden_layers=2, vocab_size=V, max_position_embeddings=64, **kw)
+
+
+def test_gpt2_matches_transformers(tmp_path):
+    hf = _hf_gpt2(tmp_path)
+    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    assert model.config.family == 'gpt2' and model.config.tie_embeddings
+    assert model.lm_head.weight is model.transformer.wte.weight
+    idx = torch.randint(0, V, (2, 17))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits, loss = model(idx, targets=idx)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(ref.view(-1, V), idx.view(-1)),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('rope', [None, 'llama3'])
+def test_llama_gqa_matches_transformers(tmp_path, rope):
+    kw = {}
+    if rope == 'llama3':
+        kw['rope_parameters'] = dict(rope_type='llama3', rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=32)
+    hf = _hf_llama(tmp_path, **kw)
+    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    c = model.config
+    assert (c.family, c.n_head, c.n_kv_head, c.tie_embeddings) == ('llama', 4, 2, False)
+    assert (c.rope_scaling is not None) == (rope is not None)
+    idx = torch.randint(0, V, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_llama_tied_embeddings(tmp_path):
+    hf = _hf_llama(tmp_path, tie_word_embeddings=True)
+    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    idx = torch.randint(0, V, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_bert_matches_transformers_with_padding(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.BertModel(_bert_cfg()).eval()
+    hf.save_pretrained(tmp_path)
+    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    assert model.config.family == 'bert' and model.config.num_labels == 0
+    idx = torch.randint(0, V, (3, 12))
+    tt = torch.randint(0, 2, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    mask[2, 5:] = 0
+    with torch.no_grad():
+        out = hf(input_ids=idx, attention_mask=mask, token_type_ids=tt)
+        h = model.encode(idx, attention_mask=mask, token_type_ids=tt)
+        torch.testing.assert_close(h, out.last_hidden_state, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(model.pool(h), out.pooler_output, atol=1e-5, rtol=1e-4)
+        # no mask, no token types
+        torch.testing.assert_close(model.encode(idx), hf(input_ids=idx).last_hidden_state, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match='encode'):
+        model(idx)
+
+
+def test_bert_classifier_matches_transformers(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification(_bert_cfg(num_labels=3)).eval()
+    hf.save_pretrained(tmp_path)
+    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    assert model.config.num_labels == 3
+    idx = torch.randint(0, V, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, 6:] = 0
+    labels = torch.tensor([0, 2])
+    with torch.no_grad():
+        out = hf(input_ids=idx, attention_mask=mask, labels=labels)
+        logits, loss = model.classify(idx, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(loss, out.loss, atol=1e-5, rtol=1e-4)
+    # a classification head requested on a plain BertModel checkpoint is new, not an error
+    d2 = tmp_path / 'base'
+    transformers.BertModel(_bert_cfg()).save_pretrained(d2)
+    m2 = M.GPT.from_pretrained(str(d2), num_labels=1)
+    logits, loss = m2.classify(idx, labels=torch.tensor([0.5, -1.0]))
+    assert logits.shape == (2, 1) and loss.ndim == 0
+
+
+def test_sharded_and_bin_checkpoints(tmp_path):
+    hf = _hf_gpt2(tmp_path / 'one')
+    hf.save_pretrained(tmp_path / 'sharded', max_shard_size='20KB')
+    assert os.path.isfile(tmp_path / 'sharded' / 'model.safetensors.index.json')
+    idx = torch.randint(0, V, (1, 8))
+    ref = hf(idx).logits.detach()
+    m = M.GPT.from_pretrained(str(tmp_path / 'sharded')).eval()
+    torch.testing.assert_close(m(idx)[0].detach(), ref, atol=1e-4, rtol=1e-4)
+    # pytorch_model.bin fallback, old GPT-2 key layout (no 'transformer.' prefix, attn.bias buffers)
+    binf = tmp_path / 'bin'
+    binf.mkdir()
+    sd = {k.removeprefix('transformer.'): v for k, v in load_file(tmp_path / 'one' / 'model.safetensors').items()}
+    sd['h.0.attn.bias'] = torch.ones(1, 1, 64, 64).tril()
+    torch.save(sd, binf / 'pytorch_model.bin')
+    (binf / 'config.json').write_text((tmp_path / 'one' / 'config.json').read_text())
+    m = M.GPT.from_pretrained(str(binf)).eval()
+    torch.testing.assert_close(m(idx)[0].detach(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_missing_unexpected_and_shape_errors(tmp_path):
+    _hf_gpt2(tmp_path)
+    path = tmp_path / 'model.safetensors'
+    good = load_file(path)
+    sd = dict(good)
+    del sd['transformer.h.1.mlp.c_fc.bias']
+    sd['transformer.h.0.attn.extra_thing'] = torch.zeros(3)
+    save_file(sd, path)
+    with pytest.raises(ValueError) as e:
+        M.GPT.from_pretrained(str(tmp_path))
+    assert 'missing' in str(e.value) and 'h.1.mlp.c_fc.bias' in str(e.value)
+    assert 'unexpected' in str(e.value) and 'h.0.attn.extra_thing' in str(e.value)
+    sd = dict(good)
+    sd['transformer.ln_f.weight'] = torch.ones(31)
+    save_file(sd, path)
+    with pytest.raises(ValueError, match=r'ln_f\.weight.*\(31,\)'):
+        M.GPT.from_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        M.GPT.from_pretrained(str(tmp_path / 'nope'))
+
+
+def test_hub_name_without_network_gives_clear_error():
+    with pytest.raises(RuntimeError, match='internet'):
+        M.GPT.from_pretrained('no-such-org-xyz-12345/no-such-model')
+
+
+def test_from_pretrained_with_linear_attention(tmp_path):
+    hf = _hf_llama(tmp_path)
+    model = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog', attn_options={'feature_dim': 8}).eval()
+    assert all(c.attn == 'hedgehog' for c in model.attention_cores())
+    # the shared weights are the checkpoint's
+    torch.testing.assert_close(model.transformer.h[1].attn.k_proj.weight, hf.model.layers[1].self_attn.k_proj.weight)
+    idx = torch.randint(0, V, (1, 8))
+    assert torch.isfinite(model(idx)[0]).all()
+    # cosformer gets max_len = block_size automatically
+    m2 = M.GPT.from_pretrained(str(tmp_path), attn='cosformer', block_size=32)
+    assert m2.attention_cores()[0].fmap.max_len == 32
+    with pytest.raises(ValueError, match='unknown override'):
+        M.GPT.from_pretrained(str(tmp_path), atn='hedgehog')
+    with pytest.raises(ValueError, match='softmax'):
+        M.GPT.from_pretrained(str(tmp_path), attn='nope')
+
+
+# ----------------------------------------------------------------------------- config / errors
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match='gpt2'):
+        M.GPTConfig(family='t5')
+    with pytest.raises(ValueError, match='hedgehog'):
+        M.GPTConfig(attn='softmx')
+    with pytest.raises(ValueError, match='divisible'):
+        M.GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match='n_kv_head'):
+        M.GPTConfig(family='llama', n_head=4, n_kv_head=3, n_embd=32)
+    model = tiny()
+    with pytest.raises(ValueError, match='out of range'):
+        model.set_attention('elu', layers=[2])
+    with pytest.raises(ValueError, match='choose one of'):
+        model.set_attention('nope')
+
+
+def test_set_attention_and_optimizer():
+    model = tiny('llama')
+    q = model.transformer.h[0].attn.q_proj.weight.clone()
+    model.set_attention('hedgehog', layers=[1], feature_dim=8)
+    cores = model.attention_cores()
+    assert [c.attn for c in cores] == ['softmax', 'hedgehog'] and model.config.attn == 'softmax'
+    assert torch.equal(model.transformer.h[0].attn.q_proj.weight, q)
+    model.set_attention('elu', window=4)
+    assert model.config.attn == 'elu' and model.config.window == 4
+    assert all(c.attn == 'elu' and c.window == 4 for c in model.attention_cores())
+    assert sorted(M.FAMILIES) == ['bert', 'gpt2', 'llama'] and 'softmax' in ATTN_CHOICES
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    decay, nodecay = opt.param_groups
+    assert all(p.dim() >= 2 for p in decay['params']) and all(p.dim() < 2 for p in nodecay['params'])
+    n = sum(p.numel() for g in opt.param_groups for p in g['params'])
+    assert n == sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- generation
+
+GEN_CASES = [('gpt2', 'softmax', {}), ('gpt2', 'elu', {}), ('gpt2', 'hedgehog', {}),
+             ('llama', 'softmax', {}), ('llama', 'hedgehog', {'feature_dim': 8}),
+             ('llama', 'elu', {'window': 4}), ('gpt2', 'hedgehog', {'window': 4}),
+             ('llama', 'lolcats', {'diag_block': 4})]
+
+
+@pytest.mark.parametrize('family,attn,opts', GEN_CASES)
+def test_greedy_cached_equals_uncached(family, attn, opts):
+    model = _spread(tiny(family))
+    opts = dict(opts)
+    window = opts.pop('window', 0)
+    if attn != 'softmax':
+        model.set_attention(attn, window=window, **opts)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, V, (2, 7))
+    a = model.generate(prompt, 20, temperature=0.0, use_cache=True)
+    b = model.generate(prompt, 20, temperature=0.0, use_cache=False)
+    assert a.shape == (2, 27) and torch.equal(a[:, :7], prompt)
+    assert torch.equal(a, b)
+    # and the step logits themselves agree with a full forward pass
+    logits, states = model.prefill(a[:, :7])
+    for t in range(7, 12):
+        logits, states = model.decode_step(a[:, t], t, states)
+        full = model(a[:, :t + 1])[0][:, -1]
+        torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('attn', [a for a in ATTN_CHOICES if a != 'softmax'])
+def test_every_linear_map_generates_with_its_state(attn):
+    model = _spread(tiny('llama', n_layer=1))
+    model.set_attention(attn)
+    prompt = torch.randint(0, V, (2, 6))
+    assert torch.equal(model.generate(prompt, 8, temperature=0.0),
+                       model.generate(prompt, 8, temperature=0.0, use_cache=False))
+
+
+def _state_bytes(model, n):
+    prompt = torch.randint(0, V, (1, 4))
+    _, states = model.prefill(prompt)
+    tok = prompt[:, -1]
+    for t in range(4, 4 + n):
+        _, states = model.decode_step(tok, t, states)
+    return model.decode_state_nbytes(states)
+
+
+@pytest.mark.parametrize('attn,window', [('hedgehog', 0), ('elu', 0), ('hedgehog', 4), ('softmax', 0)])
+def test_decode_memory(attn, window):
+    model = tiny('llama', block_size=256)
+    if attn != 'softmax':
+        model.set_attention(attn, window=window)
+    small, large = _state_bytes(model, 16), _state_bytes(model, 64)
+    if attn == 'softmax':
+        assert large > small  # the KV cache grows with length
+    else:
+        assert large == small  # the recurrent state does not
+
+
+def test_generate_eos_sampling_and_limits():
+    model = _spread(tiny())
+    torch.manual_seed(0)
+    prompt = torch.randint(0, V, (2, 5))
+    free = model.generate(prompt, 10, temperature=0.0)
+    eos = int(free[0, 7])                       # row 0 emits it at its 3rd generated token
+    out = model.generate(prompt, 10, temperature=0.0, eos_token_id=eos)
+    for r in range(2):
+        gen = out[r, 5:]
+        hits = (gen == eos).nonzero()
+        if len(hits):                           # after EOS the row only holds EOS
+            assert (gen[hits[0, 0]:] == eos).all()
+        assert torch.equal(gen[:len(gen) if not len(hits) else hits[0, 0]],
+                           free[r, 5:5 + (len(gen) if not len(hits) else hits[0, 0])])
+    one = model.generate(prompt[:1], 10, temperature=0.0, eos_token_id=[eos, V + 5])
+    assert one.shape[1] == 5 + 1 + int((free[0, 5:] == eos).nonzero()[0, 0]) and one[0, -1] == eos
+    # sampling: top_k=1 is greedy; otherwise reproducible under a seed
+    assert torch.equal(model.generate(prompt, 6, temperature=1.0, top_k=1), free[:, :11])
+    torch.manual_seed(3)
+    s1 = model.generate(prompt, 6, temperature=0.8, top_k=10)
+    torch.manual_seed(3)
+    s2 = model.generate(prompt, 6, temperature=0.8, top_k=10, use_cache=False)
+    assert torch.equal(s1, s2) and s1.max() < V
+    # learned positions: the cache path cannot run past block_size; the full-forward path crops
+    with pytest.raises(ValueError, match='block_size=64'):
+        model.generate(prompt, 61, temperature=0.0)
+    assert model.generate(prompt, 61, temperature=0.0, use_cache=False).shape == (2, 66)
+    with pytest.raises(ValueError, match='causal'):
+        tiny('bert').generate(prompt, 2)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize('suffix', ['.safetensors', '.pt'])
+def test_checkpoint_round_trip(tmp_path, suffix):
+    model = tiny()
+    model.set_attention('hedgehog', layers=[0], feature_dim=8)
+    with torch.no_grad():
+        for p in model.attention_cores()[0].parameters():
+            p.add_(0.1)
+    path = tmp_path / 'sub' / f'ckpt{suffix}'
+    M.save_checkpoint(str(path), model, iter_num=7, note='hi')
+    assert sorted(os.listdir(path.parent)) == [path.name]          # no temporary files left behind
+    loaded, extra = M.load_checkpoint(str(path))
+    assert extra == {'iter_num': 7, 'note': 'hi'}
+    assert [c.attn for c in loaded.attention_cores()] == ['hedgehog', 'softmax']
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    idx = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(idx)[0], model(idx)[0])
+    if suffix == '.safetensors':
+        with pytest.raises(TypeError, match='JSON'):
+            M.save_checkpoint(str(path), model, optimizer={'t': torch.zeros(2)})
+    else:   # torch checkpoints may carry tensors (optimizer state)
+        M.save_checkpoint(str(path), model, optimizer={'t': torch.zeros(2)})
+        assert torch.equal(M.load_checkpoint(str(path))[1]['optimizer']['t'], torch.zeros(2))
+    # a from_pretrained on our own checkpoint file, with a different attention
+    m3 = M.GPT.from_pretrained(str(path), attn='elu')
+    assert [c.attn for c in m3.attention_cores()] == ['elu', 'elu']
+
+
+def test_new_parameters_round_trip_and_strictness(tmp_path):
+    hf_dir = tmp_path / 'hf'
+    _hf_llama(hf_dir)
+    model = M.GPT.from_pretrained(str(hf_dir), attn='hedgehog', window=4, attn_options={'feature_dim': 8})
+    with torch.no_grad():
+        for c in model.attention_cores():
+            for p in c.parameters():
+                p.add_(torch.randn_like(p))
+    out = tmp_path / 'conv'
+    M.save_new_parameters(str(out), model, str(hf_dir))
+    manifest = json.loads((out / 'manifest.json').read_text())
+    assert manifest['base_model'] == str(hf_dir)
+    names = set(load_file(out / 'new_parameters.safetensors'))
+    assert names == set(manifest['parameters']) and names and all('.attn.core.' in n for n in names)
+    assert not any(f.endswith('.tmp') for f in os.listdir(out))
+    idx = torch.randint(0, V, (1, 10))
+    ref = model.eval()(idx)[0].detach()
+    # into a base model given the same attention
+    base = M.GPT.from_pretrained(str(hf_dir), attn='hedgehog', window=4, attn_options={'feature_dim': 8}).eval()
+    M.load_new_parameters(str(out), base)
+    torch.testing.assert_close(base(idx)[0].detach(), ref)
+    # rebuilt from the manifest alone (also through load_checkpoint on the folder)
+    rebuilt = M.load_new_parameters(str(out)).eval()
+    torch.testing.assert_close(rebuilt(idx)[0].detach(), ref)
+    rebuilt, extra = M.load_checkpoint(str(out))
+    torch.testing.assert_close(rebuilt.eval()(idx)[0].detach(), ref)
+    # strict: a model with another attention is refused
+    with pytest.raises(ValueError, match='differ'):
+        M.load_new_parameters(str(out), M.GPT.from_pretrained(str(hf_dir), attn='elu'))
+    # strict: unexpected names (e.g. LoRA weights saved but not added to the model)
+    extra = {'transformer.h.0.attn.q_proj.lora_A': torch.zeros(2, 32)}
+    M.save_new_parameters(str(tmp_path / 'lora'), model, str(hf_dir),
+                          include=lambda n: '.attn.core.' in n or n == 'transformer.h.0.attn.q_proj.weight')
+    sd = load_file(tmp_path / 'lora' / 'new_parameters.safetensors')
+    assert 'transformer.h.0.attn.q_proj.weight' in sd
+    sd.update(extra)
+    save_file(sd, tmp_path / 'lora' / 'new_parameters.safetensors')
+    man = json.loads((tmp_path / 'lora' / 'manifest.json').read_text())
+    man['parameters'].update({k: list(v.shape) for k, v in extra.items()})
+    (tmp_path / 'lora' / 'manifest.json').write_text(json.dumps(man))
+    with pytest.raises(ValueError, match='unexpected.*lora_A'):
+        M.load_new_parameters(str(tmp_path / 'lora'), base)
+    # strict: missing names
+    sd = load_file(out / 'new_parameters.safetensors')
+    drop = sorted(sd)[0]
+    del sd[drop]
+    save_file(sd, out / 'new_parameters.safetensors')
+    man = json.loads((out / 'manifest.json').read_text())
+    del man['parameters'][drop]
+    (out / 'manifest.json').write_text(json.dumps(man))
+    with pytest.raises(ValueError, match='missing'):
+        M.load_new_parameters(str(out), base)
