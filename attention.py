@@ -442,8 +442,11 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     S_all = S0 + k.transpose(-2, -1) @ v  # (B, H, F, D)
     z_all = z0 + k.sum(-2)  # (B, H, F)
 
-    if not causal:  # every path: one state over the whole sequence, then read out (all three agree trivially)
-        if impl == 'recurrent':
+    if not causal:  # bidirectional: every query sees every key
+        if impl == 'quadratic':
+            A = q @ k.transpose(-2, -1)  # (B, H, T, T)
+            return A @ v + q @ S0, A.sum(-1) + (q * z0[:, :, None, :]).sum(-1), (S_all, z_all)
+        if impl == 'recurrent':  # accumulate the state one token at a time, then read out
             S, z = S0, z0
             for t in range(k.shape[-2]):
                 S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
@@ -874,3 +877,30 @@ def kernel_l2(phi_q, phi_k, q, k, causal=True):
         vis = causal_mask(err.shape[-2], err.shape[-1], err.device)
         return err.masked_select(vis.expand_as(err)).mean()
     return err.mean()
+
+
+if __name__ == '__main__':
+    # Self-check: `python attention.py` prints how far the three paths are apart for every map (fp32, causal
+    # and bidirectional, T = 203, chunk 64) and the fitted LLN constants per head_dim.
+    torch.manual_seed(0)
+    B, H, T, D = 2, 4, 203, 16
+    q, k, v = torch.randn(3, B, H, T, D).unbind(0)
+    print(f"max |path - quadratic| / max |quadratic|, fp32, B={B} H={H} T={T} D={D}, chunk 64")
+    print(f"{'map':<10} {'F':>5} {'chunked':>10} {'recurrent':>10} {'chunked':>10} {'recurrent':>10}")
+    print(f"{'':<16} {'(causal)':>21} {'(bidirectional)':>21}")
+    for name in FEATURE_MAPS:
+        fmap = make_feature_map(name, D, H).eval()
+        phi_q, phi_k = fmap(q, k)
+        errs = []
+        for causal in (True, False):
+            ref = linear_attention(phi_q, phi_k, v, causal, 'quadratic')
+            for impl in ('chunked', 'recurrent'):
+                y = linear_attention(phi_q, phi_k, v, causal, impl)
+                errs.append(((y - ref).abs().max() / ref.abs().max()).item())
+        print(f"{name:<10} {fmap.feature_dim:>5} " + " ".join(f"{e:>10.1e}" for e in errs))
+    print("\nLLN fit sigma_lln^2 = a (alpha^2 s_q^2 + beta^2 s_k^2) + b, and alpha = beta for unit-variance q, k")
+    one = torch.ones(1, dtype=torch.float64)
+    for d in (16, 32, 64, 128):
+        a, b = lln_fit(d)
+        alpha, _ = lln_alpha_beta(one, one, d)
+        print(f"head_dim {d:>4}: a = {a:.4f}  b = {b:+.4f}  alpha = beta = {alpha.item():.3f}")
