@@ -439,57 +439,51 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     q, k, v = _acc(phi_q), _acc(phi_k), _acc(v)
     S0, z0 = initial_state if initial_state is not None else _zero_state(k, v)
     S0, z0 = S0.to(q.dtype), z0.to(q.dtype)
-    S_all = S0 + k.transpose(-2, -1) @ v  # (B, H, F, D)
-    z_all = z0 + k.sum(-2)  # (B, H, F)
 
-    if not causal:  # bidirectional: every query sees every key
-        if impl == 'quadratic':
-            A = q @ k.transpose(-2, -1)  # (B, H, T, T)
-            return A @ v + q @ S0, A.sum(-1) + (q * z0[:, :, None, :]).sum(-1), (S_all, z_all)
-        if impl == 'recurrent':  # accumulate the state one token at a time, then read out
-            S, z = S0, z0
-            for t in range(k.shape[-2]):
-                S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
-                z = z + k[:, :, t]
-            S_all, z_all = S, z
-        return q @ S_all, (q * z_all[:, :, None, :]).sum(-1), (S_all, z_all)
-
-    if impl == 'quadratic':
-        A = (q @ k.transpose(-2, -1)).tril()  # (B, H, T, T), A_ts = phi_q_t . phi_k_s for s <= t
-        num = A @ v + q @ S0
-        den = A.sum(-1) + (q * z0[:, :, None, :]).sum(-1)
-        return num, den, (S_all, z_all)
-
-    if impl == 'recurrent':
+    if impl == 'recurrent':  # one token at a time: S += phi_k_t v_t^T, z += phi_k_t, read out phi_q_t
         S, z = S0, z0
         nums, dens = [], []
         for t in range(k.shape[-2]):
             S = S + k[:, :, t, :, None] * v[:, :, t, None, :]  # (B, H, F, D)
             z = z + k[:, :, t]  # (B, H, F)
-            nums.append((q[:, :, t, :, None] * S).sum(-2))
-            dens.append((q[:, :, t] * z).sum(-1))
+            if causal:
+                nums.append((q[:, :, t, :, None] * S).sum(-2))
+                dens.append((q[:, :, t] * z).sum(-1))
+        if not causal:  # bidirectional: read out once the whole sequence is in the state
+            return q @ S, (q * z[:, :, None, :]).sum(-1), (S, z)
         return torch.stack(nums, 2), torch.stack(dens, 2), (S, z)
 
-    # chunked: intra-chunk quadratic (masked), inter-chunk state from an exclusive cumsum over chunks.
+    if impl == 'quadratic' or not causal:
+        S_all, z_all = S0 + k.transpose(-2, -1) @ v, z0 + k.sum(-2)  # (B, H, F, D), (B, H, F)
+        if impl == 'chunked':  # chunked, bidirectional: one state over the whole sequence
+            return q @ S_all, (q * z_all[:, :, None, :]).sum(-1), (S_all, z_all)
+        A = q @ k.transpose(-2, -1)  # (B, H, T, T), A_ts = phi_q_t . phi_k_s
+        if causal:
+            A = A.tril()
+        num = A @ v + q @ S0
+        den = A.sum(-1) + (q * z0[:, :, None, :]).sum(-1)
+        return num, den, (S_all, z_all)
+
+    # chunked, causal: intra-chunk quadratic (masked) + inter-chunk state from a cumsum over chunks.
     # Memory O(T F D / C) for the per-chunk states instead of O(T F D) for a per-token cumsum.
+    # The normaliser rides along as an extra value column of ones: [S | z] = sum phi_k [v | 1]^T.
     B, H, T, Fd = q.shape
     D, C = v.shape[-1], chunk_size
     n = math.ceil(T / C)
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # (B, H, T, D + 1)
     pad = n * C - T
     if pad:  # zero features add nothing to the state, and padded rows are cut off below
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    q, k, v = (t.view(B, H, n, C, t.shape[-1]) for t in (q, k, v))  # (B, H, n, C, *)
-    kv = k.transpose(-2, -1) @ v  # (B, H, n, F, D) per-chunk sum of phi_k v^T
-    ks = k.sum(-2)  # (B, H, n, F)
-    # state before each chunk: exclusive cumsum as a shifted cumsum (cumsum - kv would leave rounding residue)
-    S_prev = S0[:, :, None] + F.pad(torch.cumsum(kv, 2), (0, 0, 0, 0, 1, -1))
-    z_prev = z0[:, :, None] + F.pad(torch.cumsum(ks, 2), (0, 0, 1, -1))
-    A = (q @ k.transpose(-2, -1)).tril()  # (B, H, n, C, C)
-    num = A @ v + q @ S_prev  # (B, H, n, C, D)
-    den = A.sum(-1) + (q @ z_prev[..., None]).squeeze(-1)  # (B, H, n, C)
-    num = num.reshape(B, H, n * C, D)[:, :, :T]
-    den = den.reshape(B, H, n * C)[:, :, :T]
-    return num, den, (S_all, z_all)
+        q, k, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
+    q, k, v1 = (t.view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B, H, n, C, *)
+    state = torch.cumsum(k.transpose(-2, -1) @ v1, dim=2)  # (B, H, n, F, D + 1) [S | z] after each chunk
+    out = (q @ k.transpose(-2, -1)).tril() @ v1  # (B, H, n, C, D + 1) intra-chunk
+    out[:, :, 1:] += q[:, :, 1:] @ state[:, :, :-1]  # inter-chunk: the state before chunk i is after i - 1
+    Sz0 = torch.cat([S0, z0[..., None]], -1)  # (B, H, F, D + 1)
+    if initial_state is not None:
+        out = out + q @ Sz0[:, :, None]
+    out = out.reshape(B, H, n * C, D + 1)[:, :, :T]
+    final = Sz0 + state[:, :, -1]
+    return out[..., :D], out[..., D], (final[..., :D], final[..., D])
 
 
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chunk_size=64,
