@@ -1,0 +1,313 @@
+"""Tests for kernels.py: the Triton causal linear attention. On a CPU-only machine the kernels run in Triton's
+interpreter (TRITON_INTERPRET=1, numpy, one program at a time: shapes are tiny); on a CUDA machine the same tests
+run the compiled kernels on the GPU. Without triton the file skips with a reason.
+
+Thresholds are relative errors ||a - b|| / ||b|| against a float64 reference:
+  fp32 inputs: 1e-5 (forward and gradients; observed ~1e-7)
+  fp16 inputs: 5e-3 (inputs rounded to fp16, 10-bit mantissa; fp32 accumulation)
+  bf16 inputs: 3e-2 (inputs rounded to bf16, 7-bit mantissa; fp32 accumulation)
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA = torch.cuda.is_available()
+
+# The interpreter is chosen when @triton.jit runs -- for triton's own standard library (tl.zeros, tl.sum, ...) that
+# is when triton is first imported -- so TRITON_INTERPRET=1 must be set before the first `import triton` of the
+# process. On a CUDA machine the same tests run the compiled kernels on the GPU instead.
+# It stays set for the rest of the session (triton consults it again lazily, e.g. when it first specialises a
+# kernel argument); on a CPU-only machine nothing else in the project runs Triton.
+_TRITON_PREIMPORTED = 'triton' in sys.modules
+if not CUDA and not _TRITON_PREIMPORTED:
+    os.environ['TRITON_INTERPRET'] = '1'
+triton = pytest.importorskip('triton', reason='triton is not installed: the Triton kernel cannot be tested')
+
+
+def _load_kernels():
+    """A private copy of kernels.py (the process-wide `kernels` module is left alone), built in interpreter mode
+    on CPU-only machines."""
+    spec = importlib.util.spec_from_file_location('kernels_under_test', os.path.join(ROOT, 'kernels.py'))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+K = _load_kernels()
+DEV = 'cuda' if CUDA else 'cpu'
+# triton was imported earlier in this process without the interpreter (e.g. by another test module): the kernels
+# cannot run on the CPU here, so the whole file is re-run in a fresh interpreter by test_in_subprocess below.
+IN_SUBPROCESS_ONLY = not CUDA and not (K.HAS_TRITON and K.INTERPRET)
+needs_kernel = pytest.mark.skipif(IN_SUBPROCESS_ONLY, reason='triton imported before TRITON_INTERPRET could be set: '
+                                                             'covered by test_in_subprocess')
+
+
+@pytest.mark.skipif(not IN_SUBPROCESS_ONLY, reason='kernels are testable in this process')
+def test_in_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET='1')
+    r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider', os.path.abspath(__file__)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(B, H, T, F, D, seed=0, init=False):
+    """float64 leaf tensors. Features are positive (as after a feature map), values signed."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, T, F, generator=g, dtype=torch.float64)
+    k = torch.rand(B, H, T, F, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    xs = [q, k, v]
+    if init:
+        xs += [torch.randn(B, H, F, D, generator=g, dtype=torch.float64),
+               torch.rand(B, H, F, generator=g, dtype=torch.float64) * T]
+    return [x.to(DEV).requires_grad_() for x in xs]
+
+
+def run(fn, xs, eps, with_state, upstream, **kw):
+    """Forward through fn with inputs xs (q, k, v[, S0, z0]); returns outputs and the gradients of
+    <y, gy> + <S_T, gS> + <z_T, gz> w.r.t. every input."""
+    q, k, v = xs[:3]
+    init = (xs[3], xs[4]) if len(xs) == 5 else None
+    out = fn(q, k, v, eps=eps, initial_state=init, return_state=with_state, **kw)
+    gy, gS, gz = upstream
+    if with_state:
+        y, (S, z) = out
+        loss = (y.double() * gy).sum() + (S.double() * gS).sum() + (z.double() * gz).sum()
+        outs = (y, S, z)
+    else:
+        y = out
+        loss = (y.double() * gy).sum()
+        outs = (y,)
+    grads = torch.autograd.grad(loss, xs)
+    return outs, grads
+
+
+def check(shape, dtype=torch.float32, init=False, with_state=False, chunk=16, eps=1e-6, seed=0):
+    B, H, T, F, D = shape
+    xs64 = make(B, H, T, F, D, seed=seed, init=init)
+    # the reference sees the same rounded inputs as the kernel
+    xs_lp = [x.detach().to(dtype if i < 3 else torch.float32).requires_grad_() for i, x in enumerate(xs64)]
+    xs_ref = [x.detach().double().requires_grad_() for x in xs_lp]
+    g = torch.Generator().manual_seed(seed + 1)
+    upstream = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64),
+                torch.randn(B, H, F, D, generator=g, dtype=torch.float64),
+                torch.randn(B, H, F, generator=g, dtype=torch.float64))
+    upstream = tuple(u.to(DEV) for u in upstream)
+    ref_out, ref_grads = run(K.causal_linear_attention_reference, xs_ref, eps, with_state, upstream)
+    out, grads = run(K.triton_causal_linear_attention, xs_lp, eps, with_state, upstream, chunk_size=chunk)
+    tol = TOL[dtype]
+    assert out[0].dtype == dtype and out[0].shape == (B, H, T, D)
+    for name, a, b in zip(('y', 'S_T', 'z_T'), out, ref_out):
+        assert rel(a, b) < tol, (name, rel(a, b))
+    for name, a, b, x in zip(('dq', 'dk', 'dv', 'dS0', 'dz0'), grads, ref_grads, xs_lp):
+        assert a.dtype == x.dtype and a.shape == x.shape, name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_reference_matches_recurrence():
+    xs = make(2, 2, 23, 8, 5, init=True)
+    y1, (S1, z1) = K.causal_linear_attention_reference(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
+    y2, (S2, z2) = K.causal_linear_attention_recurrent(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
+    assert rel(y1, y2) < 1e-12 and rel(S1, S2) < 1e-12 and rel(z1, z2) < 1e-12
+
+
+@needs_kernel
+@pytest.mark.parametrize('shape,chunk', [
+    ((1, 2, 37, 16, 16), 16),     # odd T, 3 chunks, last one partial
+    ((1, 2, 100, 64, 32), 32),    # F = 64
+    ((1, 1, 37, 128, 16), 16),    # F = 128 (Hedgehog: 2 * head_dim)
+    ((2, 1, 50, 48, 24), 16),     # F, D not powers of two (masked lanes)
+    ((1, 1, 9, 16, 16), 64),      # T shorter than one chunk
+])
+def test_forward_backward_fp32(shape, chunk):
+    check(shape, torch.float32, chunk=chunk)
+
+
+@needs_kernel
+@pytest.mark.parametrize('shape', [(1, 2, 37, 16, 16), (1, 1, 45, 64, 32)])
+def test_initial_and_final_state_fp32(shape):
+    """Gradients of phi_q, phi_k, v, S0, z0, with gradient flowing in through the returned final state too."""
+    check(shape, torch.float32, init=True, with_state=True)
+
+
+@needs_kernel
+def test_value_dim_split_across_programs():
+    """D = 80 > 64 forward-block: two value blocks per (b, h); the second one must not write rden/z twice."""
+    check((1, 1, 33, 16, 80), torch.float32, init=True, with_state=True)
+
+
+@needs_kernel
+def test_large_feature_dim():
+    """F = 256 (upper end of the design range): forward splits D into blocks of 32."""
+    check((1, 1, 20, 256, 16), torch.float32, chunk=16)
+
+
+@needs_kernel
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype):
+    check((1, 2, 37, 32, 16), dtype, init=True, with_state=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize('eps', [0.0, 1e-3, 1.0])
+def test_eps(eps):
+    check((1, 1, 21, 16, 16), torch.float32, eps=eps)
+
+
+@needs_kernel
+def test_small_denominator_eps_matters():
+    """Nearly-zero features: den ~ 1e-6, so eps changes the answer; kernel and reference must agree on it."""
+    B, H, T, F, D = 1, 1, 19, 16, 16
+    q, k, v = (x.detach() for x in make(B, H, T, F, D))
+    q = (q * 1e-4).float().requires_grad_()
+    k = (k * 1e-4).float().requires_grad_()
+    v = v.float().requires_grad_()
+    for eps in (1e-6, 1e-3):
+        y = K.triton_causal_linear_attention(q, k, v, eps=eps, chunk_size=16)
+        y_ref = K.causal_linear_attention_reference(q.double(), k.double(), v.double(), eps=eps)
+        assert rel(y, y_ref) < 1e-5
+        dq, = torch.autograd.grad(y.sum(), q)
+        dq_ref, = torch.autograd.grad(K.causal_linear_attention_reference(
+            q.double(), k.double(), v.double(), eps=eps).sum(), q)
+        assert rel(dq, dq_ref) < 1e-5
+
+
+@needs_kernel
+def test_state_carry_over():
+    """Two halves with the carried state == one pass, forward and gradients (through the carried state)."""
+    B, H, T, F, D = 1, 2, 41, 16, 16
+    q, k, v = (x.detach().float().requires_grad_() for x in make(B, H, T, F, D))
+    y_full, (S_full, z_full) = K.triton_causal_linear_attention(q, k, v, return_state=True, chunk_size=16)
+    h = 23   # not a chunk boundary
+    y1, state = K.triton_causal_linear_attention(q[:, :, :h], k[:, :, :h], v[:, :, :h], return_state=True,
+                                                 chunk_size=16)
+    y2, (S2, z2) = K.triton_causal_linear_attention(q[:, :, h:], k[:, :, h:], v[:, :, h:], initial_state=state,
+                                                    return_state=True, chunk_size=16)
+    y_split = torch.cat([y1, y2], dim=2)
+    assert rel(y_split, y_full) < 1e-6
+    assert rel(S2, S_full) < 1e-6 and rel(z2, z_full) < 1e-6
+    gy = torch.randn_like(y_full)
+    g_full = torch.autograd.grad((y_full * gy).sum(), (q, k, v))
+    g_split = torch.autograd.grad((y_split * gy).sum(), (q, k, v))
+    for a, b in zip(g_split, g_full):
+        assert rel(a, b) < 1e-5
+
+
+@needs_kernel
+def test_decode_one_token_at_a_time():
+    """Prefill then T=1 steps (generation) gives the same outputs as one pass."""
+    B, H, T, F, D = 1, 1, 20, 16, 16
+    q, k, v = (x.detach().float() for x in make(B, H, T, F, D))
+    y_full = K.triton_causal_linear_attention(q, k, v)
+    y, state = K.triton_causal_linear_attention(q[:, :, :16], k[:, :, :16], v[:, :, :16], return_state=True)
+    ys = [y]
+    for t in range(16, T):
+        y, state = K.triton_causal_linear_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                                    initial_state=state, return_state=True)
+        ys.append(y)
+    assert rel(torch.cat(ys, dim=2), y_full) < 1e-6
+
+
+@needs_kernel
+def test_mixed_dtypes_and_layout():
+    """fp32 features with bf16 values (autocast-style): bf16 operands, fp32 accumulation, y in v.dtype, grads in
+    each input's dtype; non-contiguous inputs are accepted."""
+    B, H, T, F, D = 1, 2, 30, 16, 16
+    q, k, v = (x.detach() for x in make(B, H, T, F, D))
+    q = q.float().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()   # non-contiguous
+    k = k.float().requires_grad_()
+    v = v.bfloat16().requires_grad_()
+    y = K.triton_causal_linear_attention(q, k, v)
+    assert y.dtype == torch.bfloat16
+    y_ref = K.causal_linear_attention_reference(q.double(), k.double(), v.double())
+    assert rel(y, y_ref) < 1e-2
+    dq, dk, dv = torch.autograd.grad(y.float().sum(), (q, k, v))
+    assert dq.dtype == torch.float32 and dk.dtype == torch.float32 and dv.dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_dispatcher_uses_triton():
+    xs = [x.detach().float() for x in make(1, 1, 17, 16, 16)]
+    assert K.triton_available(xs[2])
+    y = K.causal_linear_attention(*xs)
+    assert rel(y, K.causal_linear_attention_reference(*[x.double() for x in xs])) < 1e-5
+
+
+def test_dispatcher_fallback_notice(monkeypatch, capsys):
+    """Without Triton for the tensor's device: attention.linear_attention(impl='chunked'), notice printed once."""
+    attention = pytest.importorskip('attention', reason='attention.py not present yet')
+    monkeypatch.setattr(K, 'INTERPRET', False)
+    monkeypatch.setattr(K, '_fallback_noticed', False)
+    xs = [x.detach().float().cpu() for x in make(1, 2, 29, 16, 16, init=True)]
+    y, (S, z) = K.causal_linear_attention(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
+    K.causal_linear_attention(*xs[:3])
+    err = capsys.readouterr().err
+    assert err.count('PyTorch chunked path') == 1, err
+    y_ref, (S_ref, z_ref) = K.causal_linear_attention_reference(
+        *[x.double() for x in xs[:3]], initial_state=(xs[3].double(), xs[4].double()), return_state=True)
+    assert rel(y, y_ref) < 1e-5 and rel(S, S_ref) < 1e-5 and rel(z, z_ref) < 1e-5
+
+
+@needs_kernel
+def test_matches_attention_chunked():
+    """Same result as attention.linear_attention(..., causal=True, impl='chunked'), forward and gradients."""
+    attention = pytest.importorskip('attention', reason='attention.py not present yet')
+    B, H, T, F, D = 1, 2, 70, 32, 16
+    xs = [x.detach().float().requires_grad_() for x in make(B, H, T, F, D, init=True)]
+    outs = []
+    for fn, dev in ((K.triton_causal_linear_attention, DEV),
+                    (lambda *a, **kw: attention.linear_attention(*a, causal=True, impl='chunked', **kw), 'cpu')):
+        xd = [x.detach().to(dev).requires_grad_() for x in xs]
+        y, (S, z) = fn(*xd[:3], eps=1e-6, initial_state=(xd[3], xd[4]), return_state=True)
+        gy = torch.ones_like(y).cumsum(2).sin()
+        grads = torch.autograd.grad((y * gy).sum() + S.sum() + z.sum(), xd)
+        outs.append([t.cpu() for t in (y, S, z) + tuple(grads)])
+    for a, b in zip(*outs):
+        assert rel(a, b) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA device: compiled kernel not testable here')
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_compiled_kernel_cuda(dtype):
+    """On a GPU machine: the compiled (not interpreted) kernel against the float64 reference."""
+    import kernels
+    B, H, T, F, D = 2, 3, 1000, 128, 64
+    xs = [x.detach().cuda() for x in make(B, H, T, F, D, init=True)]
+    xs = [x.to(dtype if i < 3 else torch.float32).requires_grad_() for i, x in enumerate(xs)]
+    y, (S, z) = kernels.triton_causal_linear_attention(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
+    gy = torch.randn_like(y, dtype=torch.float32)
+    grads = torch.autograd.grad((y.float() * gy).sum() + S.sum() + z.sum(), xs)
+    xr = [x.detach().double().requires_grad_() for x in xs]
+    y_r, (S_r, z_r) = kernels.causal_linear_attention_reference(*xr[:3], initial_state=(xr[3], xr[4]),
+                                                                 return_state=True)
+    grads_r = torch.autograd.grad((y_r * gy.double()).sum() + S_r.sum() + z_r.sum(), xr)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip((y, S, z) + grads, (y_r, S_r, z_r) + grads_r):
+        assert rel(a, b) < tol
+
+
+def test_bench_smoke():
+    """The benchmark runs end to end on a tiny config and reports time and measured peak memory per method."""
+    pytest.importorskip('attention', reason='attention.py not present yet')
+    rows = K.bench(device='cpu', B=1, H=2, D=16, F=16, T_list=[64], repeats=1, verbose=False,
+                   methods=['sdpa', 'chunked', 'cumsum'])
+    assert {(r['method'], r['mode']) for r in rows} == {(m, mode) for m in ('sdpa', 'chunked', 'cumsum')
+                                                       for mode in ('fwd', 'fwd+bwd')}
+    assert all(r['ms'] is not None and r['ms'] > 0 for r in rows), rows
+    md = K.bench_markdown(rows)
+    assert '| 64 |' in md and 'sdpa / chunked' in md
