@@ -1,0 +1,326 @@
+"""eval.py: every report runs on tiny local data on CPU; metric code agrees with trusted references
+(rouge-score for ROUGE, scikit-learn / scipy for the GLUE metrics)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention
+import eval as ev
+import model as M
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+        "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n") * 3
+
+
+def _vocab():
+    return train.get_tokenizer(verbose=False).vocab_size
+
+
+def _tiny_gpt(tmp_path, attn='softmax', name='tiny.pt', block_size=64, **kw):
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(family='gpt2', vocab_size=_vocab(), block_size=block_size, n_layer=2, n_head=2, n_embd=32,
+                      attn=attn, **kw)
+    m = M.GPT(cfg).eval()
+    path = str(tmp_path / name)
+    M.save_checkpoint(path, m)
+    return m, path
+
+
+def _text_file(tmp_path):
+    p = tmp_path / 'text.txt'
+    p.write_text(TEXT)
+    return str(p)
+
+
+def _run(argv):
+    return ev.main(argv)
+
+
+def _json(out_dir, report):
+    with open(os.path.join(out_dir, f'{report}.json')) as f:
+        return json.load(f)
+
+
+# ---- ROUGE ------------------------------------------------------------------------------------------------
+
+ROUGE_PAIRS = [
+    ("Amanda baked cookies and will bring Jerry some tomorrow.", "Amanda will bring cookies to Jerry tomorrow."),
+    ("Olivia and Olivier are voting for liberals in this election.", "Olivia and Olivier vote for the liberals."),
+    ("The cat sat on the mat.", "the the the cat"),
+    ("a b c d e", "e d c b a"),
+    ("Héllo wörld, it's 3:30pm! Don't-stop", "hello world its 3 30pm dont stop"),
+    ("", "something"),
+    ("only reference", ""),
+    ("Repeated words words words here", "words here words"),
+    ("Hannah needs Betty's number but Amanda doesn't have it.\nShe asks Larry.",
+     "Amanda can't find Betty's number; Larry called her last time."),
+]
+
+
+def test_rouge_matches_rouge_score():
+    rouge_scorer = pytest.importorskip('rouge_score.rouge_scorer')
+    sc = rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL'], use_stemmer=False)
+    for ref, pred in ROUGE_PAIRS:
+        ours, theirs = ev.rouge_scores(ref, pred), sc.score(ref, pred)
+        for key in ('rouge1', 'rouge2', 'rougeL'):
+            for f in ('precision', 'recall', 'fmeasure'):
+                assert ours[key][f] == pytest.approx(getattr(theirs[key], f), abs=1e-6), (ref, pred, key, f)
+    refs, preds = [r for r, _ in ROUGE_PAIRS], [p for _, p in ROUGE_PAIRS]
+    corpus = ev.rouge_corpus(refs, preds)
+    for key in corpus:
+        want = 100 * sum(sc.score(r, p)[key].fmeasure for r, p in ROUGE_PAIRS) / len(ROUGE_PAIRS)
+        assert corpus[key] == pytest.approx(want, abs=1e-6)
+
+
+def test_rouge_with_stemmer_matches_rouge_score():
+    rouge_scorer = pytest.importorskip('rouge_score.rouge_scorer')
+    from nltk.stem import porter
+    sc = rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL'], use_stemmer=True)
+    stemmer = porter.PorterStemmer()
+    for ref, pred in ROUGE_PAIRS:
+        ours, theirs = ev.rouge_scores(ref, pred, stemmer), sc.score(ref, pred)
+        for key in ('rouge1', 'rouge2', 'rougeL'):
+            assert ours[key]['fmeasure'] == pytest.approx(theirs[key].fmeasure, abs=1e-6)
+
+
+def test_rouge_report(tmp_path):
+    rouge_scorer = pytest.importorskip('rouge_score.rouge_scorer')
+    _, ckpt = _tiny_gpt(tmp_path, block_size=256)
+    data = tmp_path / 'dialogues.jsonl'
+    rows = [{'dialogue': 'Amanda: I baked cookies. Do you want some?\nJerry: Sure!', 'summary':
+             'Amanda baked cookies and will bring Jerry some tomorrow.'},
+            {'dialogue': 'Tom: are you busy?\nAnn: yes', 'summary': 'Ann is busy.'}]
+    data.write_text('\n'.join(json.dumps(r) for r in rows) + '\n')
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', ckpt, '--rouge', '--data', str(data), '--max_new_tokens', '12', '--out_dir', out]) == 0
+    res = _json(out, 'rouge')
+    assert res['examples'] == 2 and set(res['scores']) == {'rouge1', 'rouge2', 'rougeL'}
+    assert res['prompt_template'].startswith('Summarize this dialog:')
+    sc = rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL'])
+    for key, val in res['scores'].items():
+        want = 100 * sum(sc.score(s['summary'], s['generated'])[key].fmeasure for s in res['samples']) / 2
+        assert val == pytest.approx(want, abs=1e-6)
+
+
+# ---- perplexity -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('n,context,stride', [(2, 4, 4), (10, 4, 4), (11, 4, 2), (50, 16, 5), (17, 16, 16), (5, 8, 3)])
+def test_ppl_windows_score_every_token_once(n, context, stride):
+    seen = []
+    for b, e, new in ev.ppl_windows(n, context, stride):
+        assert e - b <= context and 0 < new <= e - b
+        seen += list(range(e - new + 1, e + 1))  # target positions scored by this window
+    assert seen == list(range(1, n))
+
+
+def test_ppl_matches_direct_computation(tmp_path):
+    m, _ = _tiny_gpt(tmp_path)
+    ids = torch.randint(0, m.config.vocab_size, (131,), generator=torch.Generator().manual_seed(1))
+    C = 32
+    res = ev.perplexity(m, ids, context=C, stride=C, batch_size=3)
+    # direct: non-overlapping blocks of C inputs, log-softmax of the full logits
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for b in range(0, len(ids) - 1, C):
+            x, y = ids[b:min(b + C, len(ids) - 1)], ids[b + 1:min(b + C, len(ids) - 1) + 1]
+            logits, _ = m(x[None])
+            nll += -F.log_softmax(logits[0].double(), -1).gather(-1, y[:, None]).sum().item()
+            count += len(y)
+    assert res['tokens_scored'] == count == len(ids) - 1
+    assert res['nll'] == pytest.approx(nll / count, rel=1e-5)
+    assert res['ppl'] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    # a smaller stride scores the same tokens, with more context
+    res2 = ev.perplexity(m, ids, context=C, stride=8)
+    assert res2['tokens_scored'] == count and math.isfinite(res2['ppl'])
+
+
+def test_ppl_report(tmp_path):
+    _, ckpt = _tiny_gpt(tmp_path)
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', ckpt, '--ppl', '--data', _text_file(tmp_path), '--context', '32', '--stride', '16',
+                 '--out_dir', out]) == 0
+    res = _json(out, 'ppl')
+    assert res['context'] == 32 and res['stride'] == 16 and res['ppl'] > 1
+    ids = train.get_tokenizer(verbose=False).encode(TEXT)
+    assert res['tokens_scored'] == len(ids) - 1
+
+
+def test_ppl_on_linear_checkpoint_dir(tmp_path):
+    """--ckpt may be train.py's out_dir (holding ckpt.pt); a linear-attention model evaluates the same way."""
+    d = tmp_path / 'run'
+    d.mkdir()
+    _tiny_gpt(d, attn='hedgehog', name='ckpt.pt')
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', str(d), '--ppl', '--data', _text_file(tmp_path), '--context', '32', '--out_dir', out]) == 0
+    res = _json(out, 'ppl')
+    assert res['attn'] == 'hedgehog' and res['stride'] == 16 and math.isfinite(res['ppl'])
+
+
+# ---- GLUE -------------------------------------------------------------------------------------------------
+
+def test_glue_metrics_match_sklearn_scipy():
+    metrics = pytest.importorskip('sklearn.metrics')
+    stats = pytest.importorskip('scipy.stats')
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 2, (200,), generator=g).tolist()
+    preds = [y if torch.rand(1, generator=g).item() < 0.7 else 1 - y for y in labels]
+    cola = train.glue_metric('cola', preds, labels)
+    assert cola['mcc'] == pytest.approx(metrics.matthews_corrcoef(labels, preds), abs=1e-9)
+    mrpc = train.glue_metric('mrpc', preds, labels)
+    assert mrpc['f1'] == pytest.approx(metrics.f1_score(labels, preds), abs=1e-9)
+    assert mrpc['accuracy'] == pytest.approx(metrics.accuracy_score(labels, preds), abs=1e-9)
+    labels3 = torch.randint(0, 3, (100,), generator=g).tolist()
+    preds3 = torch.randint(0, 3, (100,), generator=g).tolist()
+    assert train.glue_metric('mnli', preds3, labels3)['accuracy'] == pytest.approx(
+        metrics.accuracy_score(labels3, preds3))
+    y = (torch.rand(80, generator=g) * 5).tolist()
+    p = [v + 0.8 * torch.randn(1, generator=g).item() for v in y]
+    p[3] = p[4]  # a tie for Spearman's ranks
+    st = train.glue_metric('stsb', p, y)
+    assert st['pearson'] == pytest.approx(stats.pearsonr(p, y)[0], abs=1e-9)
+    assert st['spearman'] == pytest.approx(stats.spearmanr(p, y)[0], abs=1e-9)
+
+
+def _cola_dir(tmp_path):
+    d = tmp_path / 'cola'
+    d.mkdir()
+    rows = ['the cat sat on the mat .\t1', 'cat the mat on sat .\t0', 'she reads books .\t1',
+            'books she reads the the .\t0', 'we walked home .\t1', 'home walked we .\t0', 'it rains .\t1']
+    (d / 'train.tsv').write_text('\n'.join(rows) + '\n')
+    (d / 'dev.tsv').write_text('\n'.join(rows) + '\n')
+    return str(d)
+
+
+@pytest.mark.parametrize('family', ['bert', 'gpt2'])
+def test_glue_report(tmp_path, family):
+    metrics = pytest.importorskip('sklearn.metrics')
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(family=family, vocab_size=_vocab(), block_size=32, n_layer=1, n_head=2, n_embd=32,
+                      num_labels=2 if family == 'bert' else 0, attn='elu')
+    m = M.GPT(cfg).eval()
+    extra = {'train_config': {'task': 'glue', 'glue_task': 'cola', 'seq_len': 32, 'init_from': 'scratch'}}
+    if family != 'bert':
+        head = train.Classifier(m, 2).head
+        extra['cls_head'] = head.state_dict()
+    ckpt = str(tmp_path / 'cls.pt')
+    M.save_checkpoint(ckpt, m, **extra)
+    out = str(tmp_path / 'out')
+    data = _cola_dir(tmp_path)
+    assert _run(['--ckpt', ckpt, '--glue', 'cola', '--data', data, '--out_dir', out]) == 0
+    res = _json(out, 'glue')
+    assert res['task'] == 'cola' and res['examples'] == 7
+    # the reported MCC is sklearn's on the same predictions
+    model, extra = M.load_checkpoint(ckpt)
+    module = train.Classifier(model, 2)
+    if family != 'bert':
+        module.head.load_state_dict(extra['cls_head'])
+    enc = train.GlueEncoder('scratch', 32, verbose=False)
+    preds, labels = ev.predict_glue(module.eval(), enc, train.load_glue('cola', data, 'validation'), 2)
+    assert res['metrics']['mcc'] == pytest.approx(metrics.matthews_corrcoef(labels, preds), abs=1e-9)
+    # a checkpoint for another task is refused
+    assert _run(['--ckpt', ckpt, '--glue', 'sst2', '--data', data, '--out_dir', out]) == 2
+
+
+# ---- fidelity ---------------------------------------------------------------------------------------------
+
+def test_fidelity_stats_sanity():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    heads, weights = ev.fidelity_stats(q, k, {'same': lambda q_, k_: attention.softmax_weights(q_, k_),
+                                              'uniform': lambda q_, k_: attention.linear_attention_weights(
+                                                  torch.ones(1, 2, 16, 1), torch.ones(1, 2, 16, 1))})
+    for h in heads:
+        assert h['maps']['same']['kl'] == pytest.approx(0.0, abs=1e-5)
+        assert h['softmax']['monotonicity'] == pytest.approx(1.0, abs=1e-6)
+        assert h['maps']['uniform']['kl'] > 0.01
+        assert h['maps']['uniform']['entropy'] > h['softmax']['entropy']  # uniform rows: maximal entropy
+
+
+def test_fidelity_report_converted_model(tmp_path):
+    m, _ = _tiny_gpt(tmp_path)
+    m.set_attention('hedgehog', layers=[1])  # "converted" layer 1: its map is the student of the softmax teacher
+    ckpt = str(tmp_path / 'hh.pt')
+    M.save_checkpoint(ckpt, m)
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '32',
+                 '--maps', 'elu,performer', '--layers', '0,1', '--heads', '0', '--out_dir', out]) == 0
+    res = _json(out, 'fidelity')
+    assert set(res['maps']) == {'softmax', 'hedgehog (model)', 'elu (untrained)', 'performer (untrained)'}
+    assert len(res['layers']) == 2 and len(res['layers'][0]['heads']) == 2
+    hh = res['summary']['hedgehog (model)']
+    assert hh['kl_per_layer'][0] is None and hh['kl_per_layer'][1] >= 0 and hh['kl_mean'] == hh['kl_per_layer'][1]
+    for layer in res['layers']:
+        for h in layer['heads']:
+            for name, s in h['maps'].items():
+                assert s['kl'] >= -1e-6 and s['entropy'] > 0 and -1 <= s['monotonicity'] <= 1
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res['figures'] == []
+    else:
+        assert len(res['figures']) == 3 and all(os.path.getsize(f) > 1000 for f in res['figures'])
+
+
+def test_fidelity_report_softmax_model_defaults(tmp_path):
+    """A plain softmax model: untrained maps are compared to it."""
+    _, ckpt = _tiny_gpt(tmp_path)
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '16',
+                 '--maps', 'cosformer', '--out_dir', out]) == 0
+    res = _json(out, 'fidelity')
+    assert res['maps'] == ['softmax', 'cosformer (untrained)']
+
+
+# ---- bench ------------------------------------------------------------------------------------------------
+
+def test_bench_runs_tiny(tmp_path):
+    out = str(tmp_path / 'out')
+    assert _run(['--bench', 'all', '--bench_maps', 'elu', '--bench_T', '32,64', '--prefill_T', '16,32',
+                 '--bench_layers', '1', '--decode_lengths', '8,24', '--decode_window', '4', '--repeats', '2',
+                 '--device', 'cpu', '--out_dir', out]) == 0
+    res = _json(out, 'bench')
+    assert {(r['T'], r['attn']) for r in res['attention']} == {(32, 'softmax'), (64, 'softmax'), (32, 'elu'), (64, 'elu')}
+    assert all(r['ms'] > 0 for r in res['attention'] + res['prefill'])
+    dec = {(r['attn'], r['length']): r for r in res['decode']}
+    # exact state sizes: the KV cache grows with the length, the linear state does not
+    assert dec[('softmax', 24)]['state_mb'] > dec[('softmax', 8)]['state_mb']
+    assert dec[('elu', 24)]['state_mb'] == dec[('elu', 8)]['state_mb'] > 0
+    assert res['kernels']['rows'] and all(r['T'] in (32, 64) for r in res['kernels']['rows'])
+    assert os.path.exists(os.path.join(out, 'bench.md'))
+    assert '| T |' in open(os.path.join(out, 'bench.md')).read()
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('argv,needle', [
+    (['--bench', 'nope'], 'attention, model, decode, kernels, all'),
+    (['--glue', 'nope', '--ckpt', 'x'], 'cola'),
+    (['--ppl', '--glue', 'cola'], 'exactly one report'),
+    ([], 'exactly one report'),
+    (['--fidelity', '--ckpt', 'x', '--maps', 'elu,nope'], 'hedgehog'),
+    (['--ppl', '--ckpt', '/no/such/ckpt.pt'], 'cannot load'),
+    (['--ppl', '--nope'], 'unrecognized arguments'),
+])
+def test_bad_input_is_one_line_and_nonzero(argv, needle, capsys):
+    try:
+        rc = ev.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_cli_exit_status():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'eval.py'), '--bench', 'nope'], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'choose from' in r.stderr
