@@ -722,68 +722,6 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _proc_kb(key):
-    try:
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith(key + ':'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-_MALLOC_SET = False
-
-
-def _malloc_for_rss():
-    """Make freed memory go back to the OS (glibc: fixed mmap threshold, trim), so RSS follows allocations."""
-    global _MALLOC_SET
-    try:
-        import ctypes
-        libc = ctypes.CDLL('libc.so.6')
-        if not _MALLOC_SET:
-            libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped, freed to the OS
-            _MALLOC_SET = True
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class PeakMemory:
-    """Peak extra memory of a block: CUDA max_memory_allocated above the allocation at entry; on CPU (Linux)
-    the peak resident set size (VmHWM, reset through /proc/self/clear_refs) above the RSS at entry."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == 'cuda'
-        self.method = 'cuda max_memory_allocated' if self.cuda else 'VmHWM - VmRSS (clear_refs)'
-        self.peak = None
-
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            _malloc_for_rss()
-            try:
-                with open('/proc/self/clear_refs', 'w') as f:
-                    f.write('5')
-                self.base = _proc_kb('VmRSS')
-            except OSError:
-                self.base = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        elif self.base is not None:
-            hwm = _proc_kb('VmHWM')
-            self.peak = None if hwm is None else max(hwm - self.base, 0)
-        return False
-
-
 def time_fn(fn, device, warmup=1, repeats=3):
     """Median wall-clock seconds of fn() after warm-up (CUDA synchronized), and all timings."""
     for _ in range(warmup):
@@ -806,15 +744,12 @@ def _dtype(device):
 def bench_attention(T_list, maps, device, B=1, H=12, D=64, warmup=1, repeats=3):
     """One attention layer's core on random q, k, v (B, H, T, D): softmax (SDPA) vs linear (chunked; and the
     Triton kernel on CUDA). Time and peak memory per sequence length."""
+    import kernels  # lazily: PeakMemory etc.; importing triton early would break the interpreter tests
     rows = []
     dt = _dtype(device)
     methods = [('softmax', 'sdpa', None)] + [(m, 'chunked', None) for m in maps]
     if torch.device(device).type == 'cuda':
-        try:
-            import kernels
-            methods += [(m, 'triton', kernels) for m in maps]
-        except ImportError:
-            log('kernels.py not importable: no Triton rows')
+        methods += [(m, 'triton', kernels) for m in maps]
     for T in T_list:
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dt, generator=gen) for _ in range(3))
@@ -831,7 +766,7 @@ def bench_attention(T_list, maps, device, B=1, H=12, D=64, warmup=1, repeats=3):
                     def fn(core=core, kern=kern):
                         pq, pk = core.fmap(q, k)
                         return kern.causal_linear_attention(pq, pk, v)
-            with PeakMemory(device) as pm:
+            with kernels.PeakMemory(device) as pm:
                 fn()
             med, times = time_fn(fn, device, warmup, repeats)
             rows.append({'T': T, 'attn': name, 'impl': impl, 'ms': med * 1e3, 'times_ms': [t * 1e3 for t in times],
@@ -851,6 +786,7 @@ def bench_model_config(attn, block_size, n_layer=2, n_head=12, n_embd=768, vocab
 @torch.no_grad()
 def bench_prefill(T_list, maps, device, n_layer=2, n_head=12, n_embd=768, warmup=1, repeats=3):
     """Whole-model prefill (one forward over T tokens) on a small random GPT."""
+    import kernels  # lazily: PeakMemory etc.; importing triton early would break the interpreter tests
     import model as model_lib
     rows = []
     for name in ['softmax'] + list(maps):
@@ -861,7 +797,7 @@ def bench_prefill(T_list, maps, device, n_layer=2, n_head=12, n_embd=768, warmup
 
             def fn():
                 return m(idx)
-            with PeakMemory(device) as pm:
+            with kernels.PeakMemory(device) as pm:
                 fn()
             med, times = time_fn(fn, device, warmup, repeats)
             rows.append({'T': T, 'attn': name, 'ms': med * 1e3, 'tokens_per_s': T / med,
@@ -881,6 +817,7 @@ def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=
     softmax_mode 'generate' does the same (O(L^2) in total: slow at 32K on a CPU); 'prefill' builds, for each
     L, the cache of the first prompt + L - window tokens by prefill (the same cache generation would hold),
     then times the `window` decode steps up to L. Memory at L: the attention state (exact) and process RSS."""
+    import kernels  # lazily: PeakMemory etc.; importing triton early would break the interpreter tests
     import model as model_lib
     n_new = max(lengths)
     want = set(lengths)
@@ -899,7 +836,7 @@ def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=
 
     for name in ['softmax'] + list(maps):
         m = make(name)
-        _malloc_for_rss()
+        kernels.release_freed_memory()
         t_start = time.perf_counter()
         times, mem = {}, {}
         mode = softmax_mode if name == 'softmax' else 'generate'
@@ -912,7 +849,7 @@ def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=
                 all_times.append(dt)
                 if i in want:
                     times[i] = all_times[max(0, i - window):i]
-                    mem[i] = (m.decode_state_nbytes(states) / 2**20, (_proc_kb('VmRSS') or 0) / 2**20)
+                    mem[i] = (m.decode_state_nbytes(states) / 2**20, (kernels.proc_status_bytes('VmRSS') or 0) / 2**20)
                     log(f'  decode {name:9s} {i:6d} tokens generated, {time.perf_counter() - t_start:6.1f} s')
         else:
             for L in sorted(want):
@@ -924,9 +861,9 @@ def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=
                     tok, states, dt = step(m, tok, prompt + i - 1, states)
                     ts.append(dt)
                 times[L] = ts
-                mem[L] = (m.decode_state_nbytes(states) / 2**20, (_proc_kb('VmRSS') or 0) / 2**20)
+                mem[L] = (m.decode_state_nbytes(states) / 2**20, (kernels.proc_status_bytes('VmRSS') or 0) / 2**20)
                 del states, logits
-                _malloc_for_rss()
+                kernels.release_freed_memory()
                 log(f'  decode {name:9s} at {L:6d} (prefill {prompt + L - w} + {w} decode steps), '
                     f'{time.perf_counter() - t_start:6.1f} s')
         for L in sorted(want):
@@ -1054,6 +991,7 @@ def _device_name(device):
 
 
 def report_bench(args):
+    import kernels  # lazily: PeakMemory etc.; importing triton early would break the interpreter tests
     parts = [w.strip() for w in args.bench.split(',') if w.strip()]
     bad = [w for w in parts if w not in BENCH_CHOICES]
     if bad or not parts:
@@ -1069,7 +1007,7 @@ def report_bench(args):
            'decode_model': f'gpt2-style, {args.decode_layers} layer(s), {args.decode_heads} heads of 64, vocab 256, '
                            f'greedy; median of {args.decode_window} steps; softmax cache by {args.decode_softmax}',
            'threads': torch.get_num_threads(),
-           'memory_method': PeakMemory(device).method,
+           'memory_method': kernels.PeakMemory(device).method,
            'loadavg_start': _loadavg()}
     res = {'config': cfg}
     T_list = _parse_ints(args.bench_T, 'bench_T')

@@ -599,22 +599,42 @@ def causal_linear_attention(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_state=None
 # Benchmark (not a test): python kernels.py --help, or python eval.py --bench kernels
 # ----------------------------------------------------------------------------------------------------------------
 
-def _rss_kb(key):
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith(key + ':'):
-                return int(line.split()[1])
+def proc_status_bytes(key):
+    """A /proc/self/status field (VmRSS, VmHWM, ...) in bytes, or None where there is no /proc."""
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith(key + ':'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return None
 
 
-class _PeakMemory:
-    """Peak extra memory (bytes) of a block. CUDA: torch.cuda.max_memory_allocated above the allocation at entry.
-    CPU (Linux): the process's peak resident set size VmHWM, reset through /proc/self/clear_refs ('5'), above
-    VmRSS at entry; glibc's free memory is handed back (malloc_trim) first, so freed tensors leave RSS."""
+_MALLOC_SET = False
+
+
+def release_freed_memory():
+    """Make freed memory go back to the OS (glibc: fixed mmap threshold, trim), so RSS follows allocations."""
+    global _MALLOC_SET
+    try:
+        import ctypes
+        libc = ctypes.CDLL('libc.so.6')
+        if not _MALLOC_SET:
+            libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped, freed to the OS
+            _MALLOC_SET = True
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak extra memory of a block: CUDA max_memory_allocated above the allocation at entry; on CPU (Linux)
+    the peak resident set size (VmHWM, reset through /proc/self/clear_refs) above the RSS at entry."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == 'cuda'
-        self.method = 'torch.cuda.max_memory_allocated' if self.cuda else 'VmHWM - VmRSS via /proc/self/clear_refs'
+        self.method = 'cuda max_memory_allocated' if self.cuda else 'VmHWM - VmRSS (clear_refs)'
         self.peak = None
 
     def __enter__(self):
@@ -622,19 +642,14 @@ class _PeakMemory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-            return self
-        self.base = None
-        try:
-            import ctypes
-            ctypes.CDLL('libc.so.6').malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        try:
-            with open('/proc/self/clear_refs', 'w') as f:
-                f.write('5')
-            self.base = _rss_kb('VmRSS') * 1024
-        except (OSError, TypeError):
-            pass
+        else:
+            release_freed_memory()
+            try:
+                with open('/proc/self/clear_refs', 'w') as f:
+                    f.write('5')
+                self.base = proc_status_bytes('VmRSS')
+            except OSError:
+                self.base = None
         return self
 
     def __exit__(self, *exc):
@@ -642,7 +657,8 @@ class _PeakMemory:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base
         elif self.base is not None:
-            self.peak = max(_rss_kb('VmHWM') * 1024 - self.base, 0)
+            hwm = proc_status_bytes('VmHWM')
+            self.peak = None if hwm is None else max(hwm - self.base, 0)
         return False
 
 
@@ -711,7 +727,7 @@ def bench(device=None, B=None, H=12, D=64, F=128, T_list=None, dtype=None, repea
         mem_budget_gb = (0.8 * torch.cuda.mem_get_info(device)[0] / 2**30) if cuda else 6.0
     table = _bench_methods(device)
     names = [m for m in (methods or list(table)) if m in table]
-    pm_method = _PeakMemory(device).method
+    pm_method = PeakMemory(device).method
 
     def sync():
         if cuda:
@@ -752,7 +768,7 @@ def bench(device=None, B=None, H=12, D=64, F=128, T_list=None, dtype=None, repea
                 try:
                     # first call: warm-up (Triton compilation, allocator); on the CPU it is also measured, and a
                     # configuration slower than max_seconds keeps it as its only timing
-                    with _PeakMemory(device) as pm:
+                    with PeakMemory(device) as pm:
                         t0 = time.perf_counter()
                         run()
                         sync()
@@ -760,7 +776,7 @@ def bench(device=None, B=None, H=12, D=64, F=128, T_list=None, dtype=None, repea
                     times, peak = [], pm.peak
                     if cuda or first <= max_seconds:
                         for i in range(repeats):
-                            with _PeakMemory(device) as pm:
+                            with PeakMemory(device) as pm:
                                 t0 = time.perf_counter()
                                 run()
                                 sync()
