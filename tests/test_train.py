@@ -1,0 +1,441 @@
+"""Tests for train.py: CLI, data and metric helpers, tiny training runs (AR, text, GLUE), resume, the
+non-finite stop, compare mode and DDP (2 gloo processes vs one process)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train as T
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ['--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--seq_len', '16', '--batch_size', '4',
+        '--n_train', '64', '--n_test', '16', '--eval_iters', '2', '--warmup_iters', '2', '--log_interval', '1',
+        '--lr', '1e-2', '--min_lr', '1e-3', '--device', 'cpu']
+
+
+def run(tmp_path, *args, name='run'):
+    """train.main on TINY + args into tmp_path/name; returns (summary, per-step log rows)."""
+    out = str(tmp_path / name)
+    summary = T.main(TINY + ['--out_dir', out] + list(args))
+    return summary, read_log(out)
+
+
+def read_log(out):
+    with open(os.path.join(out, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def sha(path):
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def no_tiktoken(monkeypatch):
+    """Make tiktoken unusable, so the byte-level tokenizer runs (as offline without the BPE cache)."""
+    import tiktoken
+
+    def fail(name):
+        raise ConnectionError("offline (test)")
+    monkeypatch.setattr(tiktoken, 'get_encoding', fail)
+
+
+# -----------------------------------------------------------------------------
+# CLI
+
+def test_cli_both_flag_forms_and_bools():
+    for argv in (['--attn', 'elu'], ['--attn=elu']):
+        cfg, given = T.parse_args(argv)
+        assert cfg.attn == 'elu' and 'attn' in given
+    cfg, given = T.parse_args(['--max_iters', '7', '--lr=0.5', '--compile', '--save=false', '--no-resume'])
+    assert (cfg.max_iters, cfg.lr, cfg.compile, cfg.save, cfg.resume) == (7, 0.5, True, False, False)
+    assert given == {'max_iters', 'lr', 'compile', 'save', 'resume'}
+    assert T.parse_args([])[0] == T.TrainConfig()
+    cfg, _ = T.parse_args(['--attn', 'exp:t=2'])
+    assert T.parse_attn_spec(cfg.attn) == ('exp', {'temperature': 2})
+
+
+def test_cli_help_lists_flags_with_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(['--help'])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for f in ('--attn', '--task', '--max_iters', '--grad_accum', '--resume', '--compare', '--init_from'):
+        assert f in out
+    assert 'default: hedgehog' in out
+
+
+@pytest.mark.parametrize('argv, needle', [
+    (['--attn', 'nope'], "unknown attention map 'nope'; choose one of: softmax, elu"),
+    (['--attn=nope'], "unknown attention map 'nope'"),
+    (['--compare', 'softmax,bogus'], "unknown attention map 'bogus'"),
+    (['--bogus_flag', '1'], 'unrecognized arguments: --bogus_flag'),
+    (['--max_iters', 'ten'], "invalid int value: 'ten'"),
+    (['--task', 'nope'], "invalid choice: 'nope'"),
+])
+def test_cli_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cli_error_from_the_command_line():
+    r = subprocess.run([sys.executable, 'train.py', '--attn', 'nope'], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "unknown attention map 'nope'" in r.stderr and 'hedgehog' in r.stderr
+
+
+def test_map_options_only_where_the_map_takes_them():
+    cfg = T.TrainConfig(feature_dim=8, temperature=2.0)
+    assert T.map_options(cfg, 'hedgehog') == {'feature_dim': 8}
+    assert T.map_options(cfg, 'exp') == {'temperature': 2.0}
+    assert T.map_options(cfg, 'elu') == {}
+    assert T.map_options(cfg, 'exp', {'temperature': 1}) == {'temperature': 1}
+
+
+# -----------------------------------------------------------------------------
+# associative recall data
+
+@pytest.mark.parametrize('seq_len, nq', [(128, 1), (127, 1), (64, 8)])
+def test_associative_recall_layout_and_values(seq_len, nq):
+    V = 40
+    x, y = T.make_associative_recall(300, seq_len, V, seed=3, n_queries=nq)
+    assert x.shape == y.shape == (300, seq_len) and x.dtype == y.dtype == torch.long
+    ctx = seq_len - nq
+    assert (y[:, :ctx] == -100).all() and (y[:, ctx:] != -100).all()
+    keys, vals = x[:, 0:ctx:2], x[:, 1:ctx:2]
+    assert ((keys >= 0) & (keys < V // 2)).all() and ((vals >= V // 2) & (vals < V)).all()
+    assert ((x[:, ctx:] >= 0) & (x[:, ctx:] < V // 2)).all()           # queries are keys
+    assert ((y[:, ctx:] >= V // 2) & (y[:, ctx:] < V)).all()           # targets are values
+    n_pairs = ctx // 2
+    for i in range(300):
+        kv = {}
+        for k, v in zip(keys[i, :n_pairs].tolist(), vals[i, :n_pairs].tolist()):
+            assert kv.setdefault(k, v) == v                               # one map per sequence
+        for t in range(ctx, seq_len):
+            assert x[i, t].item() in kv and y[i, t].item() == kv[x[i, t].item()]
+    # maps differ between sequences
+    maps = {tuple(sorted(zip(keys[i].tolist(), vals[i].tolist()))) for i in range(300)}
+    assert len(maps) == 300
+
+
+def test_associative_recall_label_repeats():
+    x, y = T.make_associative_recall(200, 64, 40, seed=5, n_queries=2, label_repeats=True)
+    x0, y0 = T.make_associative_recall(200, 64, 40, seed=5, n_queries=2)
+    assert torch.equal(x, x0) and torch.equal(y[:, -2:], y0[:, -2:])       # same data, same queries
+    for i in range(200):
+        seen = {}
+        for t in range(0, 62, 2):
+            k, v = x[i, t].item(), x[i, t + 1].item()
+            assert y[i, t + 1] == -100
+            assert y[i, t].item() == (v if k in seen else -100)           # labelled iff the key repeats
+            seen[k] = v
+
+
+def test_associative_recall_seeds():
+    a = T.make_associative_recall(50, 32, 40, seed=1)
+    b = T.make_associative_recall(50, 32, 40, seed=1)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    cfg = T.TrainConfig(n_train=2000, n_test=500, seq_len=32)
+    (xtr, _), (xte, _) = T.ar_datasets(cfg)
+    train_rows = {tuple(r) for r in xtr.tolist()}
+    assert not any(tuple(r) in train_rows for r in xte.tolist())       # disjoint train / test
+    assert T.TEST_SEED_OFFSET != 0
+
+
+# -----------------------------------------------------------------------------
+# text helpers
+
+def test_byte_tokenizer_fallback(no_tiktoken, capsys):
+    tok = T.get_tokenizer()
+    assert tok.name == 'byte' and tok.vocab_size == 257 and tok.eot == 256
+    assert 'tokenizer: byte' in capsys.readouterr().out
+    s = 'héllo wörld ✓'
+    assert tok.decode(tok.encode(s)) == s
+    assert tok.encode_array(s).tolist() == tok.encode(s)
+
+
+def test_load_text_file_folder_and_offline_name(tmp_path, monkeypatch):
+    (tmp_path / 'a.txt').write_text('first')
+    (tmp_path / 'sub').mkdir()
+    (tmp_path / 'sub' / 'b.txt').write_text('second')
+    (tmp_path / 'c.md').write_text('ignored')
+    assert T.load_text(str(tmp_path / 'a.txt')) == 'first'
+    assert T.load_text(str(tmp_path)) == 'first\n\nsecond'
+    import datasets
+
+    def offline(*a, **k):
+        raise ConnectionError('no internet')
+    monkeypatch.setattr(datasets, 'load_dataset', offline)
+    with pytest.raises(ValueError, match='offline, pass a local text file or folder'):
+        T.load_text('wikitext:wikitext-103-raw-v1')
+
+
+def test_get_text_batch():
+    ids = np.arange(100)
+    x, y = T.get_text_batch(ids, [0, 10], 5)
+    assert x.tolist() == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]
+    assert torch.equal(y, x + 1)
+
+
+# -----------------------------------------------------------------------------
+# GLUE loading and metrics
+
+def test_load_glue_layouts(tmp_path):
+    cola = tmp_path / 'cola'
+    cola.mkdir()
+    (cola / 'train.tsv').write_text('the cat sat\t1\ncat the sat "\t0\n')
+    (cola / 'dev.tsv').write_text('gj04\t1\t\tthe dog ran\n')       # original GLUE CoLA layout
+    assert T.load_glue('cola', str(cola), 'train') == [('the cat sat', None, 1), ('cat the sat "', None, 0)]
+    assert T.load_glue('CoLA', str(cola), 'dev') == [('the dog ran', None, 1)]
+    mrpc = tmp_path / 'mrpc'
+    mrpc.mkdir()
+    (mrpc / 'train.tsv').write_text('Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\tA b.\tA c.\n')
+    assert T.load_glue('mrpc', str(mrpc)) == [('A b.', 'A c.', 1)]
+    stsb = tmp_path / 'stsb'
+    stsb.mkdir()
+    (stsb / 'validation.csv').write_text('sentence1,sentence2,label\n"x, y",z,3.5\n')
+    assert T.load_glue('sts-b', str(stsb), 'validation') == [('x, y', 'z', 3.5)]
+    mnli = tmp_path / 'mnli'
+    mnli.mkdir()
+    rows = [{'premise': 'p', 'hypothesis': 'h', 'label': 'contradiction'},
+            {'premise': 'p2', 'hypothesis': 'h2', 'label': 0}]
+    (mnli / 'dev_matched.jsonl').write_text('\n'.join(json.dumps(r) for r in rows))
+    assert T.load_glue('mnli', str(mnli), 'validation') == [('p', 'h', 2), ('p2', 'h2', 0)]
+    with pytest.raises(ValueError, match='no train file'):
+        T.load_glue('rte', str(mnli), 'train')
+    with pytest.raises(ValueError, match='unknown GLUE task'):
+        T.load_glue('squad', str(mnli))
+
+
+def test_glue_metrics_match_sklearn_and_scipy():
+    sklearn_metrics = pytest.importorskip('sklearn.metrics')
+    stats = pytest.importorskip('scipy.stats')
+    rng = np.random.default_rng(0)
+    for n_cls in (2, 3):
+        labels, preds = rng.integers(0, n_cls, 200), rng.integers(0, n_cls, 200)
+        preds[:120] = labels[:120]
+        assert T.matthews_corrcoef(labels, preds) == pytest.approx(
+            sklearn_metrics.matthews_corrcoef(labels, preds), abs=1e-12)
+    m = T.glue_metric('cola', preds % 2, labels % 2)
+    assert m['mcc'] == pytest.approx(sklearn_metrics.matthews_corrcoef(labels % 2, preds % 2), abs=1e-12)
+    assert m['main'] == m['mcc']
+    m = T.glue_metric('mrpc', preds % 2, labels % 2)
+    assert m['f1'] == pytest.approx(sklearn_metrics.f1_score(labels % 2, preds % 2), abs=1e-12)
+    assert m['accuracy'] == pytest.approx(sklearn_metrics.accuracy_score(labels % 2, preds % 2))
+    assert T.glue_metric('mnli', preds, labels)['accuracy'] == pytest.approx(np.mean(preds == labels))
+    a = rng.normal(size=100)
+    b = np.round(a + rng.normal(size=100), 1)        # ties for the ranks
+    m = T.glue_metric('stsb', a, b)
+    assert m['pearson'] == pytest.approx(stats.pearsonr(a, b)[0], abs=1e-10)
+    assert m['spearman'] == pytest.approx(stats.spearmanr(a, b)[0], abs=1e-10)
+    assert T.matthews_corrcoef([1, 1, 1], [1, 1, 1]) == 0.0          # degenerate: sklearn gives 0 too
+
+
+# -----------------------------------------------------------------------------
+# training runs
+
+def test_train_ar_tiny(tmp_path, capsys):
+    s, log = run(tmp_path, '--max_iters', '6', '--eval_interval', '3', '--attn', 'hedgehog')
+    out = capsys.readouterr().out
+    assert 'step 6/6 | loss ' in out and 'tok/s | eta ' in out
+    assert len(log) == 6 and [r['iter'] for r in log] == list(range(6))
+    with open(tmp_path / 'run' / 'summary.json') as f:
+        saved = json.load(f)
+    assert saved['config']['attn'] == 'hedgehog' and saved['iters'] == 6
+    m = saved['metrics']
+    assert 0 <= m['test_acc'] <= 1 and np.isfinite(m['test_loss'])
+    assert 0 < m['attn_entropy'] < np.log(16) and 0 < m['attn_entropy_query'] <= np.log(16)
+    assert os.path.exists(tmp_path / 'run' / 'ckpt.pt')
+    assert s['metrics'] == m
+
+
+def test_train_mqar_softmax_learns_something(tmp_path):
+    s, log = run(tmp_path, '--task', 'mqar', '--n_queries', '4', '--attn', 'softmax', '--max_iters', '30',
+                 '--eval_interval', '30', '--save', 'false')
+    assert log[-1]['loss'] < log[0]['loss']
+    assert not os.path.exists(tmp_path / 'run' / 'ckpt.pt')
+
+
+def test_train_text_tiny_byte_tokenizer(tmp_path, no_tiktoken, capsys):
+    text = tmp_path / 'corpus.txt'
+    text.write_text('the quick brown fox jumps over the lazy dog. ' * 60)
+    s, log = run(tmp_path, '--task', 'text', '--data', str(text), '--max_iters', '8', '--eval_interval', '4',
+                 '--attn', 'elu')
+    assert 'tokenizer: byte' in capsys.readouterr().out
+    assert s['tokenizer'] == 'byte' and s['model_config']['vocab_size'] == 257
+    m = s['metrics']
+    assert m['val_ppl'] == pytest.approx(np.exp(m['val_loss']))
+    assert m['val_ppl'] < 257 and m['val_tokens'] > 0
+
+
+def test_finetune_from_our_checkpoint(tmp_path, no_tiktoken):
+    text = tmp_path / 'corpus.txt'
+    text.write_text('abc def ghi. ' * 100)
+    run(tmp_path, '--task', 'text', '--data', str(text), '--max_iters', '3', '--attn', 'elu', name='pre')
+    ckpt = str(tmp_path / 'pre' / 'ckpt.pt')
+    s, _ = run(tmp_path, '--task', 'text', '--data', str(text), '--max_iters', '2', '--init_from', ckpt, name='ft')
+    assert s['model_config']['attn'] == 'elu'                           # the checkpoint's attention is kept
+    s, _ = run(tmp_path, '--task', 'text', '--data', str(text), '--max_iters', '2', '--init_from', ckpt,
+               '--attn', 'hedgehog', name='ft2')
+    assert s['model_config']['attn'] == 'hedgehog'                      # unless --attn is given
+
+
+def _cola(tmp_path):
+    d = tmp_path / 'cola'
+    d.mkdir()
+    good = ['the cat sat on the mat', 'a dog ran home', 'we like green tea', 'she reads books']
+    bad = ['cat the mat on sat', 'ran dog a home', 'tea green like we', 'books she reads the of']
+    rows = [f"{s}\t1" for s in good] + [f"{s}\t0" for s in bad]
+    (d / 'train.tsv').write_text('\n'.join(rows * 3) + '\n')
+    (d / 'dev.tsv').write_text('\n'.join(rows) + '\n')
+    return d
+
+
+def test_train_glue_scratch_bert_and_gpt(tmp_path, no_tiktoken):
+    d = _cola(tmp_path)
+    s, _ = run(tmp_path, '--task', 'glue', '--glue_task', 'cola', '--data', str(d), '--seq_len', '48',
+               '--max_iters', '4', '--eval_interval', '2', name='bert')
+    assert s['model_config']['family'] == 'bert' and s['model_config']['num_labels'] == 2
+    assert set(s['metrics']) >= {'dev_mcc', 'dev_accuracy', 'dev_loss'}
+    # a causal model classifies from its last token; its head is saved with the checkpoint and resumes
+    s, _ = run(tmp_path, '--task', 'glue', '--data', str(d), '--seq_len', '48', '--family', 'gpt2',
+               '--max_iters', '4', '--eval_interval', '2', '--attn', 'elu', name='gpt')
+    assert s['model_config']['family'] == 'gpt2' and -1 <= s['metrics']['dev_mcc'] <= 1
+    s, _ = run(tmp_path, '--task', 'glue', '--data', str(d), '--seq_len', '48', '--family', 'gpt2',
+               '--max_iters', '6', '--eval_interval', '2', '--attn', 'elu', '--resume', name='gpt')
+    assert s['iters'] == 6
+
+
+def test_train_glue_from_hf_bert_with_its_tokenizer(tmp_path, capsys):
+    transformers = pytest.importorskip('transformers')
+    d = _cola(tmp_path)
+    words = sorted({w for line in open(d / 'train.tsv') for w in line.split('\t')[0].split()})
+    vocab = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + words
+    hf_dir = tmp_path / 'bert'
+    hf_dir.mkdir()
+    (hf_dir / 'vocab.txt').write_text('\n'.join(vocab) + '\n')
+    transformers.BertTokenizer(str(hf_dir / 'vocab.txt')).save_pretrained(str(hf_dir))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32, max_position_embeddings=64)
+    transformers.BertModel(config).save_pretrained(str(hf_dir))
+    s, log = run(tmp_path, '--task', 'glue', '--data', str(d), '--init_from', str(hf_dir), '--seq_len', '32',
+                 '--max_iters', '4', '--eval_interval', '4', '--attn', 'hedgehog')
+    assert 'glue tokenizer: hf:BertTokenizer' in capsys.readouterr().out
+    assert s['model_config']['attn'] == 'hedgehog' and s['model_config']['n_embd'] == 16
+    assert s['model_config']['num_labels'] == 2 and 'dev_mcc' in s['metrics']
+    assert all(np.isfinite(r['loss']) for r in log)
+
+
+def test_train_glue_stsb_regression(tmp_path, no_tiktoken):
+    d = tmp_path / 'stsb'
+    d.mkdir()
+    rows = ['sentence1\tsentence2\tscore'] + [f"s {i}\tt {i % 3}\t{i % 5}.0" for i in range(12)]
+    (d / 'train.tsv').write_text('\n'.join(rows) + '\n')
+    (d / 'dev.tsv').write_text('\n'.join(rows[:7]) + '\n')
+    s, _ = run(tmp_path, '--task', 'glue', '--glue_task', 'stsb', '--data', str(d), '--seq_len', '32',
+               '--max_iters', '3', '--eval_interval', '3')
+    assert s['model_config']['num_labels'] == 1
+    assert {'dev_pearson', 'dev_spearman'} <= set(s['metrics'])
+
+
+def test_resume_continues_exactly(tmp_path):
+    common = ['--max_iters', '8', '--lr_decay_iters', '8', '--eval_interval', '4', '--dropout', '0.1',
+              '--attn', 'hedgehog']
+    _, full = run(tmp_path, *common, name='full')
+    half = ['--max_iters', '4'] + common[2:]
+    run(tmp_path, *half, name='split')
+    _, resumed = run(tmp_path, *common, '--resume', name='split')
+    assert [r['iter'] for r in resumed] == list(range(8))
+    assert [r['loss'] for r in resumed] == [r['loss'] for r in full]      # bit-identical loss curve
+    a, _ = T.load_checkpoint(str(tmp_path / 'full' / 'ckpt.pt'))
+    b, _ = T.load_checkpoint(str(tmp_path / 'split' / 'ckpt.pt'))
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), n
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match='no checkpoint'):
+        run(tmp_path, '--resume', '--max_iters', '2')
+
+
+def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch, capsys):
+    run(tmp_path, '--max_iters', '4', '--eval_interval', '2')
+    ckpt = tmp_path / 'run' / 'ckpt.pt'
+    real_loss = T._loss
+    calls = {'n': 0}
+
+    def poisoned(module, task, batch):   # a NaN loss from the 3rd micro-step of the resumed run (step 6)
+        calls['n'] += 1
+        loss = real_loss(module, task, batch)
+        return loss * float('nan') if calls['n'] >= 3 else loss
+    monkeypatch.setattr(T, '_loss', poisoned)
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path, '--max_iters', '10', '--eval_interval', '1', '--resume')
+    assert e.value.code == T.NONFINITE_EXIT
+    err = capsys.readouterr().err
+    assert 'non-finite loss (nan) at step 6' in err
+    assert 'lower --lr' in err and '--dtype float32' in err and 'feature map' in err
+    assert 'last good checkpoint' in err and 'was kept' in err
+    model, extra = T.load_checkpoint(str(ckpt))
+    assert extra['iter_num'] == 6                                   # saved after steps 4 and 5, not after 6
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    before = sha(ckpt)
+    with pytest.raises(SystemExit):                                  # stopping again leaves it untouched
+        run(tmp_path, '--max_iters', '10', '--eval_interval', '1', '--resume')
+    assert sha(ckpt) == before
+
+
+def test_absurd_lr_stops_with_exit_status(tmp_path):
+    r = subprocess.run([sys.executable, 'train.py'] + TINY + [
+        '--out_dir', str(tmp_path / 'x'), '--max_iters', '50', '--eval_interval', '50', '--lr', '1e9',
+        '--warmup_iters', '0', '--grad_clip', '0', '--attn', 'softmax'], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == T.NONFINITE_EXIT, r.stdout + r.stderr
+    assert 'non-finite' in r.stderr and 'lower --lr (now 1e+09)' in r.stderr
+    assert 'no checkpoint was written' in r.stderr
+
+
+def test_compare_two_maps(tmp_path, capsys):
+    rows = T.main(TINY + ['--out_dir', str(tmp_path), '--compare', 'softmax,exp:t=2', '--max_iters', '3',
+                          '--eval_interval', '3', '--save', 'false'])
+    assert [spec for spec, _ in rows] == ['softmax', 'exp:t=2']
+    table = (tmp_path / 'compare.md').read_text()
+    assert '| softmax |' in table and '| exp:t=2 |' in table
+    assert json.loads((tmp_path / 'exp_t2' / 'summary.json').read_text())['model_config']['attn_options'] == \
+        {'temperature': 2}
+    assert '| map | test_acc |' in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# DDP: 2 CPU processes with gloo == 1 process with the same global batch
+
+@pytest.mark.slow
+def test_ddp_two_gloo_processes_match_single_process(tmp_path):
+    args = TINY + ['--max_iters', '4', '--eval_interval', '4', '--batch_size', '4', '--grad_accum', '4',
+                   '--attn', 'hedgehog']
+    single = str(tmp_path / 'single')
+    T.main(args + ['--out_dir', single])
+    ddp = str(tmp_path / 'ddp')
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        'train.py'] + args + ['--out_dir', ddp], cwd=ROOT, capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert 'DDP x2' in r.stdout
+    assert r.stdout.count('final: ') == 1                       # only rank 0 logs
+    a, b = read_log(single), read_log(ddp)
+    assert [x['iter'] for x in b] == list(range(4))
+    np.testing.assert_allclose([x['loss'] for x in b], [x['loss'] for x in a], rtol=1e-5, atol=1e-6)
+    ma, _ = T.load_checkpoint(os.path.join(single, 'ckpt.pt'))
+    mb, _ = T.load_checkpoint(os.path.join(ddp, 'ckpt.pt'))
+    for (n, p), (_, q) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=n)
