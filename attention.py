@@ -492,12 +492,14 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chun
     phi_q, phi_k (B, H, T, F); v (B, H, T, D) -> y (B, H, T, D) in v's dtype; state, num, den in float32.
     impl: 'quadratic' | 'chunked' | 'recurrent'; causal=False is the bidirectional (encoder) form.
     initial_state=(S_0, z_0) continues a sequence; return_state=True also returns the final (S, z).
-    On CUDA the causal chunked path runs kernels.py's Triton kernel when Triton is available."""
+    On CUDA the causal chunked path runs kernels.py's Triton kernel when Triton is available and F <= 256,
+    D <= 128."""
     if phi_q.is_cuda and causal and impl == 'chunked' and _triton_available():
-        from kernels import triton_causal_linear_attention
-        _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
-        return triton_causal_linear_attention(phi_q, phi_k, v, eps=eps, initial_state=initial_state,
-                                              return_state=return_state)
+        import kernels
+        if kernels.supports(phi_q.shape[-1], v.shape[-1]):  # else (e.g. Taylor's F = 1 + D + D^2): PyTorch
+            _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
+            return kernels.triton_causal_linear_attention(phi_q, phi_k, v, eps=eps, initial_state=initial_state,
+                                                          return_state=return_state)
     num, den, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state)
     y = (num / (den[..., None] + eps)).to(v.dtype)
     return (y, state) if return_state else y

@@ -573,6 +573,14 @@ def triton_causal_linear_attention(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_sta
 _fallback_noticed = False
 
 
+MAX_FEATURE_DIM, MAX_HEAD_DIM = 256, 128   # the sizes the kernel's register blocking is built for
+
+
+def supports(F, D):
+    """Whether the kernel handles feature dimension F and value dimension D (Taylor's 1 + D + D^2 does not)."""
+    return F <= MAX_FEATURE_DIM and D <= MAX_HEAD_DIM
+
+
 def triton_available(x):
     """True when the Triton path can run on tensor x: CUDA, or CPU under TRITON_INTERPRET=1 (set before import)."""
     return HAS_TRITON and (x.is_cuda or (INTERPRET and x.device.type == 'cpu'))
@@ -581,13 +589,18 @@ def triton_available(x):
 def causal_linear_attention(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_state=None, return_state=False):
     """Differentiable causal linear attention, (B, H, T, F) / (B, H, T, D) layout. Triton on CUDA; elsewhere the
     PyTorch chunked path attention.linear_attention(..., impl='chunked') after a one-line notice (printed once)."""
-    if triton_available(v):
+    if triton_available(v) and supports(phi_q.shape[-1], v.shape[-1]):
         return triton_causal_linear_attention(phi_q, phi_k, v, eps=eps, initial_state=initial_state,
                                               return_state=return_state)
     global _fallback_noticed
     if not _fallback_noticed:
         _fallback_noticed = True
-        why = 'triton is not importable' if not HAS_TRITON else f'tensors on {v.device.type}'
+        if not HAS_TRITON:
+            why = 'triton is not importable'
+        elif not triton_available(v):
+            why = f'tensors on {v.device.type}'
+        else:
+            why = f'F={phi_q.shape[-1]}, D={v.shape[-1]} beyond the kernel\'s {MAX_FEATURE_DIM}, {MAX_HEAD_DIM}'
         print(f'kernels: Triton causal linear attention unavailable ({why}); using the PyTorch chunked path',
               file=sys.stderr)
     import attention  # lazy: attention.py imports this module lazily too

@@ -311,3 +311,17 @@ def test_bench_smoke():
     assert all(r['ms'] is not None and r['ms'] > 0 for r in rows), rows
     md = K.bench_markdown(rows)
     assert '| 64 |' in md and 'sdpa / chunked' in md
+
+
+def test_supported_sizes_and_large_F_falls_back():
+    """Taylor's F = 1 + D + D^2 is beyond the kernel's register blocking: the dispatcher (and attention.py's CUDA
+    path) must use the PyTorch chunked path for it rather than launch the kernel."""
+    import attention
+    import kernels as plain_kernels
+    assert plain_kernels.supports(256, 128) and plain_kernels.supports(128, 64)
+    assert not plain_kernels.supports(1 + 16 + 16 ** 2, 16) and not plain_kernels.supports(64, 256)
+    g = torch.Generator().manual_seed(0)
+    pq, pk = torch.rand(1, 2, 9, 273, generator=g), torch.rand(1, 2, 9, 273, generator=g)
+    v = torch.randn(1, 2, 9, 16, generator=g)
+    y = plain_kernels.causal_linear_attention(pq, pk, v)
+    assert torch.allclose(y, attention.linear_attention(pq, pk, v, impl='quadratic'), atol=1e-6)
