@@ -774,6 +774,20 @@ def _fmt(names, limit=20):
     return s + (f', ... ({len(names) - limit} more)' if len(names) > limit else '')
 
 
+def _raise_key_errors(header, missing, unexpected, shape_problems, where=''):
+    """One ValueError naming every missing, unexpected and mis-shaped tensor (nothing when all match)."""
+    if not (missing or unexpected or shape_problems):
+        return
+    msg = [header + ':']
+    if missing:
+        msg.append(f"missing keys{where}: {_fmt(missing)}")
+    if unexpected:
+        msg.append(f"unexpected keys{where}: {_fmt(unexpected)}")
+    if shape_problems:
+        msg.append("shape mismatches: " + '; '.join(shape_problems[:20]))
+    raise ValueError('\n  '.join(msg))
+
+
 def _load_hf_state(model, tensors, source):
     cfg = model.config
     tensors = _normalise_hf_keys(cfg.family, tensors)
@@ -815,15 +829,8 @@ def _load_hf_state(model, tensors, source):
                             f"model expects {tuple(own[k].shape)}")
         else:
             shapes[k] = t
-    if missing or unexpected or problems:
-        msg = [f"cannot load {source!r} into a {cfg.family} model:"]
-        if missing:
-            msg.append(f"missing keys in checkpoint: {_fmt(kmap[k][0] for k in missing)}")
-        if unexpected:
-            msg.append(f"unexpected keys in checkpoint: {_fmt(unexpected)}")
-        if problems:
-            msg.append("shape mismatches: " + '; '.join(problems[:20]))
-        raise ValueError('\n  '.join(msg))
+    _raise_key_errors(f"cannot load {source!r} into a {cfg.family} model", [kmap[k][0] for k in missing],
+                      unexpected, problems, where=' in checkpoint')
     if ignored:
         warnings.warn(f"ignored {len(ignored)} checkpoint tensors this model does not use: {_fmt(ignored, 5)}")
     with torch.no_grad():
@@ -907,15 +914,7 @@ def _strict_load(model, tensors, what, skip=()):
     unexpected = sorted(set(tensors) - set(own))
     shape = [f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}"
              for k in sorted(set(own) & set(tensors)) if tuple(own[k].shape) != tuple(tensors[k].shape)]
-    if missing or unexpected or shape:
-        msg = [f"cannot load {what}:"]
-        if missing:
-            msg.append(f"missing keys: {_fmt(missing)}")
-        if unexpected:
-            msg.append(f"unexpected keys: {_fmt(unexpected)}")
-        if shape:
-            msg.append("shape mismatches: " + '; '.join(shape[:20]))
-        raise ValueError('\n  '.join(msg))
+    _raise_key_errors(f"cannot load {what}", missing, unexpected, shape)
     with torch.no_grad():
         for k, t in tensors.items():
             own[k].copy_(t)
