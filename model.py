@@ -62,6 +62,11 @@ class GPTConfig:
     # Llama RoPE scaling as in HF `rope_parameters` / `rope_scaling` (None = plain RoPE);
     # supported rope_type: 'default', 'linear', 'llama3'. (Addition to the interface contract.)
     rope_scaling: dict | None = None
+    # initialisation of a model trained from scratch: N(0, init_std) Linear weights (residual output projections
+    # scaled by 1/sqrt(2 n_layer)) and N(0, emb_init_std) embeddings; nanoGPT's 0.02 by default. Tiny models may
+    # want larger values (see the associative-recall notes in the README)
+    init_std: float = 0.02
+    emb_init_std: float = 0.02
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -289,7 +294,7 @@ class GPT(nn.Module):
                 self._init_weights(module)
         for pn, p in self.named_parameters():
             if pn.endswith(('o_proj.weight', 'c_proj.weight', 'down_proj.weight')) and '.core.' not in pn:
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                torch.nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _spec(attn, window, diag_block, impl, options):
@@ -298,11 +303,11 @@ class GPT(nn.Module):
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.emb_init_std)
 
     def get_num_params(self, non_embedding=True):
         """Number of parameters (position embeddings excluded by default, as in nanoGPT)."""

@@ -410,3 +410,16 @@ def test_new_parameters_round_trip_and_strictness(tmp_path):
     (out / 'manifest.json').write_text(json.dumps(man))
     with pytest.raises(ValueError, match='missing'):
         M.load_new_parameters(str(out), base)
+
+
+def test_init_std_fields():
+    """init_std / emb_init_std set the scratch initialisation (nanoGPT's 0.02 by default)."""
+    torch.manual_seed(0)
+    base = dict(family='llama', vocab_size=512, block_size=16, n_layer=2, n_head=4, n_embd=128, tie_embeddings=False)
+    m = M.GPT(M.GPTConfig(**base))
+    assert abs(m.transformer.wte.weight.std().item() - 0.02) < 0.002
+    assert abs(m.transformer.h[0].attn.q_proj.weight.std().item() - 0.02) < 0.002
+    m = M.GPT(M.GPTConfig(**base, init_std=0.08, emb_init_std=1.0))
+    assert abs(m.transformer.wte.weight.std().item() - 1.0) < 0.05
+    assert abs(m.transformer.h[0].attn.q_proj.weight.std().item() - 0.08) < 0.008
+    assert abs(m.transformer.h[0].attn.o_proj.weight.std().item() - 0.08 / 2) < 0.004  # 1/sqrt(2 n_layer)
