@@ -355,6 +355,13 @@ class TeacherCapture:
             for c, f in zip(self.cores, flags):
                 c.teacher = f
 
+    @torch.no_grad()
+    def record(self, model, batch):
+        """One frozen teacher pass: every recorded layer's ((q, k, v), kwargs) into self.inputs and its exact
+        softmax output into self.outputs."""
+        with self.teacher():
+            model_forward(model, batch)
+
     def remove(self):
         for h in self.handles:
             h.remove()
@@ -787,9 +794,7 @@ def evaluate_fidelity(model, capture: TeacherCapture, layers, batches, device):
     count = 0
     try:
         for b in batches:
-            b = _to(b, device)
-            with capture.teacher():
-                model_forward(model, b)
+            capture.record(model, _to(b, device))
             for l in layers:
                 (q, k, _v), kw = capture.inputs[l]
                 mask = kw.get('key_padding_mask')
@@ -811,9 +816,7 @@ def collect_qk(model, capture: TeacherCapture, layers, batches, device, max_toke
     qs = {l: [] for l in layers}
     ks = {l: [] for l in layers}
     for b in batches:
-        b = _to(b, device)
-        with capture.teacher():
-            model_forward(model, b)
+        capture.record(model, _to(b, device))
         for l in layers:
             (q, k, _v), kw = capture.inputs[l]
             mask = kw.get('key_padding_mask')
@@ -894,8 +897,7 @@ def attention_transfer(model, capture, layers, data, iters, lr, loss_weights, de
     w = {k: v for k, v in loss_weights.items() if v > 0}
     for it in range(iters):
         b = _to(data.batch('train'), device)
-        with torch.no_grad(), capture.teacher():
-            model_forward(model, b)
+        capture.record(model, b)
         total = 0.0
         parts = {k: 0.0 for k in w}
         for l in layers:
