@@ -67,6 +67,10 @@ class GPTConfig:
     # want larger values (see the associative-recall notes in the README)
     init_std: float = 0.02
     emb_init_std: float = 0.02
+    # > 0: a causal depthwise convolution of this many taps on the keys, before RoPE and the feature map
+    # (H3's shift on K; Based's short convolution), identity-initialised. Gives linear attention the
+    # previous token that a softmax head finds by position (see the README on associative recall)
+    short_conv: int = 0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -87,6 +91,10 @@ class GPTConfig:
             self.intermediate_size = 4 * self.n_embd
         if self.window < 0 or self.diag_block < 0:
             raise ValueError("window and diag_block must be >= 0")
+        if self.short_conv < 0:
+            raise ValueError(f"short_conv must be >= 0 (0 = none), got {self.short_conv}")
+        if self.short_conv and self.family == 'bert':
+            raise ValueError("short_conv is a causal convolution: not for family='bert' (bidirectional)")
         if self.attn_options is None:
             self.attn_options = {}
         self.attn_options = dict(self.attn_options)
@@ -170,6 +178,28 @@ def make_core(config, attn=None, window=None, diag_block=None, impl=None, option
                      impl=config.impl if impl is None else impl, **options)
 
 
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution):
+    y_t = sum_{i=0}^{K-1} w_i * x_{t-i} per channel, K = kernel_size, zeros before the first token.
+    Initialised to the identity (w_0 = 1, the rest 0). The decode state is the last K-1 inputs."""
+
+    def __init__(self, channels, kernel_size):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.zeros(channels, kernel_size))   # (C, K); last tap = current token
+        with torch.no_grad():
+            self.weight[:, -1] = 1.0
+
+    def forward(self, x, past=None):
+        # x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)
+        B, T, C = x.shape
+        if past is None:
+            past = x.new_zeros(B, self.kernel_size - 1, C)
+        xx = torch.cat([past.to(x.dtype), x], dim=1)                      # (B, K-1+T, C)
+        y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=C)  # (B, C, T)
+        return y.transpose(1, 2), xx[:, xx.size(1) - (self.kernel_size - 1):]
+
+
 class SelfAttention(nn.Module):
     """q/k/v/o projections around a pluggable attention core."""
 
@@ -182,13 +212,18 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(C, self.n_kv_head * hs, bias=config.bias)
         self.o_proj = nn.Linear(self.n_head * hs, C, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.k_conv = ShortConv(self.n_kv_head * hs, config.short_conv) if config.short_conv else None
         self.core = make_core(config)
 
     def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
         B, T, C = x.size()
         nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
         q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        k = self.k_proj(x)                                      # (B, T, nkv * hs)
+        conv_past = None
+        if self.k_conv is not None:
+            k, conv_past = self.k_conv(k, None if state is None else state.get('k_conv'))
+        k = k.view(B, T, nkv, hs).transpose(1, 2)               # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             cos, sin = rope                                     # (T, hs) each
@@ -198,7 +233,10 @@ class SelfAttention(nn.Module):
             v = v.repeat_interleave(nh // nkv, dim=1)           # (B, nh, T, hs)
         kwargs = {} if key_padding_mask is None else {'key_padding_mask': key_padding_mask}
         if return_state:
-            y, state = self.core(q, k, v, state=state, return_state=True, **kwargs)
+            core_state = None if state is None else {n: t for n, t in state.items() if n != 'k_conv'}
+            y, state = self.core(q, k, v, state=core_state, return_state=True, **kwargs)
+            if conv_past is not None:
+                state = {**state, 'k_conv': conv_past}
         else:
             y = self.core(q, k, v, **kwargs)                    # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C)
@@ -444,10 +482,11 @@ class GPT(nn.Module):
     # ---- training helpers ------------------------------------------------------
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW over the trainable parameters; weight decay on 2-D+ tensors only (nanoGPT)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        nodecay = [p for p in params if p.dim() < 2]
+        """AdamW over the trainable parameters; weight decay on 2-D+ tensors only (nanoGPT), not on the
+        identity-initialised short convolution."""
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if p.dim() >= 2 and 'k_conv' not in n]
+        nodecay = [p for n, p in named if p.dim() < 2 or 'k_conv' in n]
         groups = [{'params': decay, 'weight_decay': weight_decay},
                   {'params': nodecay, 'weight_decay': 0.0}]
         use_fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters

@@ -423,3 +423,69 @@ def test_init_std_fields():
     assert abs(m.transformer.wte.weight.std().item() - 1.0) < 0.05
     assert abs(m.transformer.h[0].attn.q_proj.weight.std().item() - 0.08) < 0.008
     assert abs(m.transformer.h[0].attn.o_proj.weight.std().item() - 0.08 / 2) < 0.004  # 1/sqrt(2 n_layer)
+
+
+# ----------------------------------------------------------------------------- short convolution on keys
+
+def test_short_conv_module_matches_its_formula():
+    """ShortConv: y_t = sum_i w_i x_{t-i} (zeros before the start, or the given past), the last K-1 inputs out."""
+    torch.manual_seed(0)
+    conv = M.ShortConv(6, 3)
+    assert torch.equal(conv.weight[:, -1], torch.ones(6)) and not conv.weight[:, :-1].any()   # identity init
+    with torch.no_grad():
+        conv.weight.normal_()
+    x, past = torch.randn(2, 9, 6), torch.randn(2, 2, 6)
+    for p in (None, past):
+        xx = torch.cat([torch.zeros(2, 2, 6) if p is None else p, x], dim=1)       # (B, K-1+T, C)
+        want = torch.stack([sum(conv.weight[:, 2 - i] * xx[:, t + 2 - i] for i in range(3)) for t in range(9)], 1)
+        y, tail = conv(x, p)
+        torch.testing.assert_close(y, want)
+        assert torch.equal(tail, x[:, -2:])
+    # token by token with the carried state == all at once
+    state, ys = past, []
+    for t in range(9):
+        y_t, state = conv(x[:, t:t + 1], state)
+        ys.append(y_t)
+    torch.testing.assert_close(torch.cat(ys, 1), conv(x, past)[0])
+
+
+@pytest.mark.parametrize('attn,window', [('softmax', 0), ('hedgehog', 0), ('elu', 4)])
+def test_short_conv_in_the_model(attn, window):
+    plain = tiny('llama', attn=attn, window=window)
+    model = tiny('llama', attn=attn, window=window, short_conv=3)
+    idx = torch.randint(0, V, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], plain(idx)[0])    # identity at initialisation
+        for b in model.transformer.h:
+            b.attn.k_conv.weight.normal_()
+        y = model(idx)[0]
+        idx2 = idx.clone()
+        idx2[:, 6] = (idx2[:, 6] + 1) % V
+        y2 = model(idx2)[0]
+    torch.testing.assert_close(y[:, :6], y2[:, :6])                 # causal
+    assert not torch.allclose(y[:, 6:], y2[:, 6:])
+    _spread(model)
+    prompt = torch.randint(0, V, (2, 5))
+    assert torch.equal(model.generate(prompt, 12, temperature=0.0),
+                       model.generate(prompt, 12, temperature=0.0, use_cache=False))
+    if attn != 'softmax':   # the decode state (recurrent state + the conv's last K-1 keys) stays constant-size
+        assert _state_bytes(model, 16) == _state_bytes(model, 48)
+    decay, nodecay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu').param_groups
+    conv_ids = {id(b.attn.k_conv.weight) for b in model.transformer.h}
+    assert conv_ids <= {id(p) for p in nodecay['params']} and not conv_ids & {id(p) for p in decay['params']}
+
+
+def test_short_conv_config_errors_and_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match='bert'):
+        M.GPTConfig(family='bert', short_conv=2)
+    with pytest.raises(ValueError, match='>= 0'):
+        M.GPTConfig(short_conv=-1)
+    model = tiny('gpt2', short_conv=2)
+    with torch.no_grad():
+        model.transformer.h[1].attn.k_conv.weight.normal_()
+    M.save_checkpoint(str(tmp_path / 'c.safetensors'), model)
+    loaded, _ = M.load_checkpoint(str(tmp_path / 'c.safetensors'))
+    assert loaded.config.short_conv == 2
+    idx = torch.randint(0, V, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(idx)[0], model(idx)[0])
