@@ -9,7 +9,9 @@ One transformer covering the three model families the linear-attention papers co
 The family is a config switch (`GPTConfig.family`), not three copies of the code. Every layer's
 attention core is an `attention.Attention` chosen by `config.attn` (softmax or any linear feature
 map, plus the sliding-window and block-diagonal hybrids). Feature maps see queries and keys after
-RoPE, one map per query head (GQA keys/values are repeated to n_head before the core).
+RoPE, one map per query head (GQA keys/values are repeated to n_head before the core). An optional
+short causal convolution on the keys (`short_conv`, H3 / Based) gives scratch-trained linear attention
+the previous token (see the README on associative recall).
 
 Also here: loading HuggingFace checkpoints (`GPT.from_pretrained`), generation with a KV cache
 (softmax) or a constant-size recurrent state (linear maps, window hybrid), our own checkpoints
@@ -181,7 +183,8 @@ def make_core(config, attn=None, window=None, diag_block=None, impl=None, option
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution):
     y_t = sum_{i=0}^{K-1} w_i * x_{t-i} per channel, K = kernel_size, zeros before the first token.
-    Initialised to the identity (w_0 = 1, the rest 0). The decode state is the last K-1 inputs."""
+    w_i = weight[:, K-1-i] (F.conv1d's layout). Initialised to the identity (w_0 = 1, the rest 0), so adding
+    it to a trained model changes nothing. The decode state is the last K-1 inputs."""
 
     def __init__(self, channels, kernel_size):
         super().__init__()
