@@ -6,7 +6,7 @@ Train a small GPT whose attention is softmax or a linear feature map (attention.
     python train.py --task mqar --n_queries 8       # multi-query associative recall
     python train.py --task text --data ../shared/data/tinyshakespeare/input.txt
     python train.py --task glue --glue_task cola --data ../shared/data/cola --init_from <HF BERT folder>
-    python train.py --compare softmax,taylor,hedgehog,elu,performer,cosformer,exp:t=1,exp:t=2 --ar_vocab 128
+    python train.py --compare softmax,taylor,hedgehog,elu,performer,cosformer,exp:t=1,exp:t=2 --ar_vocab 128 --max_iters 2000
     torchrun --nproc_per_node=2 train.py ...        # DDP (NCCL on GPUs, gloo on CPU)
     python train.py --help                          # every flag with its default
 
