@@ -22,10 +22,10 @@ autocast on CUDA, atomic checkpoints (out_dir/ckpt.pt) that --resume continues e
 clear message on a non-finite loss (the last good checkpoint is kept), and out_dir/summary.json (config +
 final metrics) at the end. Per-step losses go to out_dir/log.jsonl.
 
-Scratch models (the default) differ from nanoGPT's in two measured ways (README, "Training"): embeddings
-N(0, 1) and other weights N(0, 0.08) with an untied output head (nanoGPT's 0.02 never learns recall here,
-softmax included), and a 2-tap causal convolution on the keys (--short_conv, as in H3 / Based), without
-which no linear map learned associative recall in our runs while softmax did.
+Scratch models (the default) differ from nanoGPT's in two measured ways (README, "Training"): a 2-tap causal
+convolution on the keys (--short_conv, as in H3 / Based), without which no linear map learned associative
+recall in our runs while softmax did; and embeddings N(0, 1), other weights N(0, 0.08), untied output head
+(with nanoGPT's 0.02 softmax does not learn recall without that convolution).
 
 The data helpers (make_associative_recall, get_tokenizer, load_text, load_glue, glue_metric, ...) are plain
 functions that other scripts import.
@@ -82,7 +82,7 @@ class TrainConfig:
     dropout: float = 0.0
     bias: bool = True
     init_std: float = 0.08        # scratch models: N(0, init_std) Linear weights (residual projections / sqrt(2 n_layer))
-    emb_init_std: float = 1.0     # scratch models: N(0, emb_init_std) embeddings, untied head (README: why not 0.02)
+    emb_init_std: float = 1.0     # scratch models: N(0, emb_init_std) embeddings, untied head (README: the init notes)
     short_conv: int = 2           # scratch causal models: taps of a causal depthwise conv on the keys (0 = none; see model.py)
     attn: str = 'hedgehog'        # softmax or a feature map; 'exp:t=2' style options allowed
     feature_dim: int = 0          # feature-map size for maps that have one (0 = the map's default)
