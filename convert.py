@@ -149,27 +149,45 @@ def lora_parameters(model: nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# DoF feature-dimension selection (Nishikawa et al. 2025, Algorithm 1)
+# DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3.2, Algorithm 1; DoF + Clip: Sec. 4.2)
+#
+# The paper, step by step: K(x, y) = exp(x.y / sqrt d) on one head's teacher queries and keys (after RoPE);
+# x_1..x_J drawn at random from the pooled queries and keys; Gram matrix Sigma~ = [K(x_i, x_j)], i, j in [J]
+# (not divided by J); N~_lambda = tr Sigma~ (Sigma~ + lambda I)^-1 with lambda = 2^-4 for GPT-2, 2^-8 for
+# Pythia-1B (Sec. 4.1); layer DoF = max over heads; M_s = round(C N~_s / mean_s N~_s), so the mean cost is C.
+# The paper gives no value of J: we use 256.  DoF + Clip clamps M_s at the head size afterwards (the mean
+# cost drops below C: Table 4's faster inference).  Our additions, all off by default: gram_scale 'mean'
+# (Sigma~ / J), gram 'sym_half' and 'cross' (see head_dofs), integer dims by largest remainder and min_dim.
 
-def exp_gram(x: torch.Tensor, y: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """The softmax-kernel Gram matrix exp(x_i . y_j * scale) / N in float64.
+DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1)
+GRAM_SCALES = ('none', 'mean')
+GRAMS = ('sym', 'sym_half', 'cross')
 
-    x (N, D); y (M, D) or None (= x, the symmetric kernel on one point set).  Normalised by the number
-    of rows N, so that its eigenvalues estimate those of the kernel's integral operator under the
-    empirical distribution of the points.  `scale` defaults to 1/sqrt(D)."""
+
+def exp_gram(x: torch.Tensor, y: torch.Tensor | None = None, scale: float | None = None,
+             gram_scale: str = 'none') -> torch.Tensor:
+    """The softmax-kernel Gram matrix [exp(x_i . y_j * scale)] in float64 (DoF Sec. 3.2, Sigma~).
+
+    x (N, D); y (M, D) or None (= x, the symmetric kernel on one point set); `scale` defaults to 1/sqrt(D).
+    gram_scale='none' is the paper's matrix; 'mean' (ours) divides it by the number of rows N, so that its
+    eigenvalues estimate those of the kernel's integral operator; its DoF at lambda equals the paper's at
+    N * lambda (the eigenvalues scale by 1/N)."""
+    if gram_scale not in GRAM_SCALES:
+        raise ValueError(f'gram_scale must be one of {GRAM_SCALES}, got {gram_scale!r}')
     x = x.double()
     y = x if y is None else y.double()
     scale = 1.0 / math.sqrt(x.shape[-1]) if scale is None else scale
     logits = (x @ y.T) * scale
     # float64 overflows at exp(709); such logits only occur for degenerate inputs
-    return torch.exp(logits.clamp(max=700.0)) / x.shape[0]
+    G = torch.exp(logits.clamp(max=700.0))
+    return G / x.shape[0] if gram_scale == 'mean' else G
 
 
 def degrees_of_freedom(gram: torch.Tensor, lam: float) -> float:
-    """Statistical degrees of freedom tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam).
+    """Statistical degrees of freedom N~_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) (DoF Sec. 3.2).
 
     Eigenvalues of the symmetrised matrix in float64 (negative round-off clamped to zero) for a square
-    symmetric G; singular values for a rectangular (cross) Gram matrix."""
+    symmetric G; singular values for a rectangular or non-symmetric (cross) Gram matrix."""
     if lam <= 0:
         raise ValueError(f'lambda must be > 0, got {lam}')
     g = gram.double()
@@ -181,39 +199,46 @@ def degrees_of_freedom(gram: torch.Tensor, lam: float) -> float:
 
 
 def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256, gram: str = 'sym',
-              generator: torch.Generator | None = None) -> list[float]:
-    """Degrees of freedom of each head's softmax kernel.
+              generator: torch.Generator | None = None, gram_scale: str = 'none') -> list[float]:
+    """Degrees of freedom of each head's softmax kernel (DoF Algorithm 1, the loop over heads).
 
-    q, k: (H, M, D) calibration queries and keys of one layer (M tokens pooled over the batch).
-    gram='sym': N = n_samples points drawn from the union of queries and keys (half each), G = the
-    symmetric kernel exp(x.x'/sqrt D)/N on them (eigvalsh); gram='cross': N queries and N keys,
-    G_ij = exp(q_i.k_j/sqrt D)/N (singular values)."""
+    q, k: (H, M, D) calibration queries and keys of one layer (M tokens pooled over the batch); J = n_samples.
+    gram='sym' (the paper's): J points drawn without replacement from the 2M pooled queries and keys,
+    symmetric Gram, eigenvalues.  'sym_half' (ours): exactly J/2 queries and J/2 keys (the default before
+    the paper's sampling; the README's older DoF figures use it).  'cross' (ours, not in the paper): J
+    queries x J keys, G_ij = K(q_i, k_j), singular values.  gram_scale: see `exp_gram`."""
+    if gram not in GRAMS:
+        raise ValueError(f'gram must be one of {GRAMS}, got {gram!r}')
     H, M, D = q.shape
     out = []
     for h in range(H):
         if gram == 'sym':
+            pool = torch.cat([q[h], k[h]])
+            G = exp_gram(pool[torch.randperm(2 * M, generator=generator)[:n_samples]], gram_scale=gram_scale)
+        elif gram == 'sym_half':
             nq = min(M, n_samples // 2)
             nk = min(M, n_samples - nq)
             iq = torch.randperm(M, generator=generator)[:nq]
             ik = torch.randperm(M, generator=generator)[:nk]
-            G = exp_gram(torch.cat([q[h, iq], k[h, ik]]))
-        elif gram == 'cross':
+            G = exp_gram(torch.cat([q[h, iq], k[h, ik]]), gram_scale=gram_scale)
+        else:
             n = min(M, n_samples)
             iq = torch.randperm(M, generator=generator)[:n]
             ik = torch.randperm(M, generator=generator)[:n]
-            G = exp_gram(q[h, iq], k[h, ik])
-        else:
-            raise ValueError(f"gram must be 'sym' or 'cross', got {gram!r}")
+            G = exp_gram(q[h, iq], k[h, ik], gram_scale=gram_scale)
         out.append(degrees_of_freedom(G, lam))
     return out
 
 
 def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1) -> list[int]:
-    """Feature dimensions proportional to `dofs` whose mean is `budget` (DoF Algorithm 1, last step).
+    """Per-layer feature dimensions from the layers' degrees of freedom (DoF Algorithm 1, last line).
 
-    Real-valued shares budget * L * dof_l / sum(dof) are clipped to [min_dim, clip] (the excess of the
-    clipped layers is redistributed over the others) and rounded by largest remainder, so the integer
-    dimensions sum to round(budget * L) whenever that is reachable within the bounds."""
+    Algorithm 1: M_s = round(C dof_s / mean(dof)) with C = `budget`, so the mean cost is C.  We make the
+    mean exact (the paper rounds each layer on its own): shares below min_dim (ours) are raised to it, the
+    other layers share the rest in proportion, and the real shares are rounded by largest remainder, so
+    the integer dimensions sum to round(C L).
+    clip: DoF + Clip (Sec. 4.2; the paper clips at the head size): this allocation is then clamped at `clip`
+    and nothing is redistributed, so the mean cost drops below C whenever a layer exceeded the clip."""
     dofs = [float(d) for d in dofs]
     L = len(dofs)
     if L == 0:
@@ -222,83 +247,75 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
         raise ValueError(f'budget must be > 0, got {budget}')
     if any(d < 0 or not math.isfinite(d) for d in dofs):
         raise ValueError(f'degrees of freedom must be finite and >= 0, got {dofs}')
-    hi = float('inf') if clip is None else float(clip)
-    lo = float(min_dim)
-    if hi < lo:
+    if min_dim < 1:
+        raise ValueError(f'min_dim must be >= 1, got {min_dim}')
+    if clip is not None and clip < min_dim:
         raise ValueError(f'clip {clip} is below min_dim {min_dim}')
-    total = int(round(budget * L))
-    total = int(min(max(total, lo * L), hi * L))
+    total = max(int(round(budget * L)), min_dim * L)
     w = [d if d > 0 else 1e-12 for d in dofs]
-    fixed: dict[int, float] = {}
-    share: dict[int, float] = {}
-    while True:
-        free = [i for i in range(L) if i not in fixed]
-        share = {}
-        if not free:
-            break
-        rest = total - sum(fixed.values())
+    floored: set[int] = set()
+    while True:  # layers whose share is below min_dim get min_dim; the others share the rest
+        free = [i for i in range(L) if i not in floored]
+        rest = total - min_dim * len(floored)
         sw = sum(w[i] for i in free)
         share = {i: rest * w[i] / sw for i in free}
-        over = [i for i in free if share[i] > hi]
-        under = [i for i in free if share[i] < lo]
-        if not over and not under:
+        under = [i for i in free if share[i] < min_dim - 1e-9]
+        if not under:
             break
-        if over:  # fix the overflowing layers first; the others' shares then only grow
-            for i in over:
-                fixed[i] = hi
-        else:
-            for i in under:
-                fixed[i] = lo
-    real = [fixed[i] if i in fixed else share[i] for i in range(L)]
-    cap = None if clip is None else int(hi)
-    dims = [int(math.floor(r + 1e-9)) for r in real]
-    dims = [max(d, int(lo)) if cap is None else min(max(d, int(lo)), cap) for d in dims]
-    left = total - sum(dims)
-    frac = [real[i] - math.floor(real[i] + 1e-9) for i in range(L)]
+        floored.update(under)
+    real = [float(min_dim) if i in floored else share[i] for i in range(L)]
+    dims = [max(min_dim, math.floor(r + 1e-9)) for r in real]
+    frac = [r - math.floor(r + 1e-9) for r in real]
     order = sorted(range(L), key=lambda i: (frac[i], w[i]), reverse=True)
-    while left != 0:
-        moved = False
-        for i in (order if left > 0 else reversed(order)):
-            if left == 0:
-                break
-            step = 1 if left > 0 else -1
-            if lo <= dims[i] + step <= hi:
-                dims[i] += step
-                left -= step
-                moved = True
-        if not moved:
-            break
-    return dims
+    for i in order[:max(0, total - sum(dims))]:  # largest remainders first (fewer than L units are left)
+        dims[i] += 1
+    return dims if clip is None else [min(d, int(clip)) for d in dims]
 
 
-def select_feature_dims(layer_qk: dict, budget: float, lam: float = 1e-2, n_samples: int = 256,
+def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_GPT2, n_samples: int = 256,
                         clip: int | None = None, min_dim: int = 2, gram: str = 'sym', seed: int = 0,
-                        verbose: bool = True):
-    """DoF Algorithm 1: degrees of freedom per head, max over heads per layer, scale to budget.
+                        verbose: bool = True, gram_scale: str = 'none'):
+    """DoF Algorithm 1: degrees of freedom per head, max over heads per layer, dimensions proportional to
+    it with mean cost `budget` (C); `clip` = DoF + Clip (Sec. 4.2), see `allocate_dims`.
 
     layer_qk: {layer index: (q, k)} with q, k (H, M, D) calibration queries/keys (after RoPE).
-    Returns (dims {layer: int}, table list of dicts)."""
+    Returns (dims {layer: int}, table list of dicts; with a clip, each row also has 'unclipped')."""
     g = torch.Generator().manual_seed(seed)
     layers = sorted(layer_qk)
-    per_head = {l: head_dofs(layer_qk[l][0], layer_qk[l][1], lam, n_samples, gram, g) for l in layers}
+    per_head = {l: head_dofs(layer_qk[l][0], layer_qk[l][1], lam, n_samples, gram, g, gram_scale) for l in layers}
     layer_dof = [max(per_head[l]) for l in layers]
     dims = allocate_dims(layer_dof, budget, clip=clip, min_dim=min_dim)
     table = [{'layer': l, 'dof_heads': [round(x, 3) for x in per_head[l]], 'dof_max': round(d, 3),
               'feature_dim': fd} for l, d, fd in zip(layers, layer_dof, dims)]
+    if clip is not None:
+        for r, fd in zip(table, allocate_dims(layer_dof, budget, min_dim=min_dim)):
+            r['unclipped'] = fd
     if verbose:
-        print(format_dof_table(table, budget, lam, n_samples, gram))
+        print(format_dof_table(table, budget, lam, n_samples, gram, gram_scale, clip))
     return dict(zip(layers, dims)), table
 
 
-def format_dof_table(table, budget, lam, n_samples, gram) -> str:
-    lines = [f'DoF feature-dimension selection (lambda={lam:g}, N={n_samples}, gram={gram}, '
-             f'G = exp(x.y/sqrt(d)) / N, budget C={budget:g})',
-             '| layer | DoF per head | max DoF | feature_dim |', '|---|---|---|---|']
+def format_dof_table(table, budget, lam, n_samples, gram, gram_scale='none', clip=None) -> str:
+    """The per-layer DoF table (markdown) with the settings it was computed with and the resulting mean cost."""
+    G = 'exp(x_i.x_j/sqrt d)' + (' / J' if gram_scale == 'mean' else '')
+    lines = [f'DoF feature-dimension selection (DoF Alg. 1): lambda={lam:g}, J={n_samples}, gram={gram}, '
+             f'G = {G}, budget C={budget:g}' + (f', DoF + Clip at {clip}' if clip is not None else ''),
+             '| layer | DoF per head | max DoF | feature_dim |' + (' before clip |' if clip is not None else ''),
+             '|---|---|---|---|' + ('---|' if clip is not None else '')]
     for r in table:
         heads = ' '.join(f'{x:.1f}' for x in r['dof_heads'])
-        lines.append(f"| {r['layer']} | {heads} | {r['dof_max']:.2f} | {r['feature_dim']} |")
+        lines.append(f"| {r['layer']} | {heads} | {r['dof_max']:.2f} | {r['feature_dim']} |"
+                     + (f" {r['unclipped']} |" if clip is not None else ''))
     if table:
-        lines.append(f"mean feature_dim = {sum(r['feature_dim'] for r in table) / len(table):g}")
+        mean = sum(r['feature_dim'] for r in table) / len(table)
+        n_clipped = sum(r['unclipped'] > r['feature_dim'] for r in table) if clip is not None else 0
+        lines.append(f'mean feature_dim = {mean:g} (budget C = {budget:g}'
+                     + (f'; {n_clipped} of {len(table)} layers clipped at {clip}' if clip is not None else '')
+                     + ')')
+        top = max(r['dof_max'] for r in table)
+        if top > 0.9 * n_samples:
+            lines.append(f'note: max DoF {top:.1f} is near J = {n_samples}, where the estimate saturates; '
+                         'a larger --dof_samples or --dof_lambda separates the layers')
     return '\n'.join(lines)
 
 
@@ -407,7 +424,8 @@ def transfer_losses(core, q, k, v, y_teacher, kw, weights: dict) -> dict:
     if weights.get('l2', 0) > 0:
         if core.fmap is None:
             raise ConversionError('the l2 kernel loss needs a feature map')
-        phi_q, phi_k = core.fmap(q, k, offset=0)
+        phi_q, phi_k, c_q = core.fmap.features(q, k, offset=0)
+        phi_q = phi_q * torch.exp(c_q)[..., None]  # the exact query features (the kernel is compared unnormalised)
         if mask is not None:  # only real keys and queries
             keep = mask.bool()
             out['l2'] = sum(A.kernel_l2(phi_q[b:b + 1, :, keep[b]], phi_k[b:b + 1, :, keep[b]],
@@ -423,14 +441,18 @@ def transfer_losses(core, q, k, v, y_teacher, kw, weights: dict) -> dict:
 
 def load_base(init_from: str, device='cpu', **overrides):
     """Load the teacher: one of our checkpoint files (model.save_checkpoint, e.g. train.py's ckpt.pt; a
-    folder holding one also works), a local HuggingFace folder, or a hub name (needs internet).
+    folder holding one also works), a local HuggingFace folder, a llama.cpp .gguf file, or a hub name (needs
+    internet). model.tokenizer is the checkpoint's own tokenizer, or None.
     Returns (model, info) with info = {'base', 'base_kind', 'extra'}."""
     import model as M
     looks_local = os.path.sep in init_from or init_from.startswith('.') or init_from.endswith(
-        ('.pt', '.safetensors', '.json'))
+        ('.pt', '.safetensors', '.json', '.gguf'))
     extra = {}
     try:
-        if os.path.isfile(init_from) or (os.path.isdir(init_from) and _own_checkpoint_in(init_from)):
+        if os.path.isfile(init_from) and init_from.endswith('.gguf'):     # llama.cpp file (model.load_gguf)
+            base = os.path.abspath(init_from)
+            model, kind = M.GPT.from_pretrained(base, **overrides), 'gguf'
+        elif os.path.isfile(init_from) or (os.path.isdir(init_from) and _own_checkpoint_in(init_from)):
             path = os.path.abspath(init_from if os.path.isfile(init_from) else _own_checkpoint_in(init_from))
             if overrides:
                 model = M.GPT.from_pretrained(path, **overrides)
@@ -497,7 +519,7 @@ def parse_layers(spec, n_layer: int) -> list[int]:
 
 
 def swap_attention(model, attn, layers, window=0, diag_block=0, map_options=None, layer_options=None,
-                   max_feature_dim=None):
+                   max_feature_dim=None, window_combine='joint'):
     """model.set_attention on `layers` (one call per group of layers sharing their options; per-layer
     options such as a DoF-selected feature_dim come in layer_options {layer: {option: value}}).
     Errors (an unknown map, options the map rejects, a head_dim the map cannot take, a feature
@@ -517,7 +539,8 @@ def swap_attention(model, attn, layers, window=0, diag_block=0, map_options=None
         groups.setdefault(json.dumps(opts, sort_keys=True), (opts, []))[1].append(l)
     for opts, ls in groups.values():
         try:
-            model.set_attention(attn, layers=ls, window=window, diag_block=diag_block, **dict(opts))
+            model.set_attention(attn, layers=ls, window=window, diag_block=diag_block, window_combine=window_combine,
+                                **dict(opts))
         except (ValueError, AssertionError, TypeError) as e:
             raise ConversionError(f'cannot convert layers {ls} of this model (head_dim={hd}) to {attn!r} '
                                   f'with options {opts}, window={window}, diag_block={diag_block}: '
@@ -554,10 +577,13 @@ def new_state_dict(model, finetune: str, extra_prefixes=()) -> dict:
 
 def save_converted(out_dir, model, manifest: dict):
     """Write out_dir/new_parameters.safetensors and out_dir/manifest.json (both atomically, manifest last).
-    The manifest has model.save_new_parameters' fields (base_model, config, layers, parameters) plus
-    format 'convert.py/1' and `convert` (LoRA, finetune mode, overrides, ...) for load_converted."""
+    The manifest has model.save_new_parameters' fields (base_model, config, layers, parameters, tokenizer) plus
+    format 'convert.py/1' and `convert` (LoRA, finetune mode, overrides, ...) for load_converted. The tokenizer
+    goes to out_dir/tokenizer_spec.json; its manifest entry also holds the fingerprint of the base model's own
+    tokenizer (manifest['base_tokenizer'], None if it had none), which load_converted checks."""
     from dataclasses import asdict
     from safetensors.torch import save_file
+    import tokenizer as tokenizer_lib
     os.makedirs(out_dir, exist_ok=True)
     tensors = {k: v.detach().to('cpu').clone().contiguous()
                for k, v in new_state_dict(model, manifest['finetune'], manifest.get('extra_prefixes', ())).items()}
@@ -570,6 +596,9 @@ def save_converted(out_dir, model, manifest: dict):
     tmp = os.path.join(out_dir, '.' + PARAMS_FILE + '.tmp')
     save_file(tensors, tmp)
     os.replace(tmp, os.path.join(out_dir, PARAMS_FILE))
+    full['tokenizer'] = tokenizer_lib.save_spec(out_dir, getattr(model, 'tokenizer', None))
+    if full['tokenizer'] is not None and 'base_tokenizer' in manifest:
+        full['tokenizer']['base_fingerprint'] = manifest['base_tokenizer']
     _write_json(os.path.join(out_dir, MANIFEST), full)
     return full
 
@@ -602,10 +631,7 @@ def build_converted(manifest: dict, device='cpu', init_from=None):
     """Base model + the manifest's per-layer attention + LoRA adapters (weights not loaded yet)."""
     conv = manifest['convert']
     model, _ = load_base(init_from or manifest['base_model'], device, **conv.get('overrides', {}))
-    for i, spec in enumerate(manifest['layers']):
-        if spec != model.layer_specs[i]:
-            model.set_attention(spec['attn'], layers=[i], window=spec['window'], diag_block=spec['diag_block'],
-                                impl=spec['impl'], **spec['options'])
+    model._apply_layer_specs(manifest['layers'])
     lora = conv.get('lora')
     if lora:
         apply_lora(model, lora['rank'], lora['alpha'], targets=lora['targets'])
@@ -729,11 +755,12 @@ def _family(model):
 
 
 def model_forward(model, batch):
-    """The forward pass used for teacher forcing (no loss)."""
+    """The forward pass used for teacher forcing: the final hidden states (no LM head, no loss -- the capture
+    only needs every layer's attention inputs and outputs)."""
     if _family(model) == 'bert':
         return model.encode(batch['idx'], attention_mask=batch.get('attention_mask'),
                             token_type_ids=batch.get('token_type_ids'))
-    return model(batch['idx'])[0]
+    return model._hidden(batch['idx'])[0]
 
 
 def _to(batch, device):
@@ -783,30 +810,36 @@ def _glue_metric(glue_task, preds, labels) -> dict:
 
 @torch.no_grad()
 def evaluate_fidelity(model, capture: TeacherCapture, layers, batches, device):
-    """Per-layer mean KL(teacher softmax weights || student weights) in nats on held-out batches,
-    each layer on its own teacher-forced (q, k) (so the figures are per layer, not compounded).
-    Returns {'kl_mean', 'kl_layers'}; quadratic in T (evaluation only)."""
+    """Per-layer mean KL(teacher softmax weights || student weights) in nats, and the mean squared error of the
+    attention outputs (LoLCATs' transfer loss), on held-out batches, each layer on its own teacher-forced
+    (q, k, v) (so the figures are per layer, not compounded). Returns {'kl_mean', 'kl_layers', 'mse_mean',
+    'mse_layers'}; quadratic in T (evaluation only)."""
     import attention as A
     cores = model.attention_cores()
     was = model.training
     model.eval()
     sums = {l: 0.0 for l in layers}
+    mses = {l: 0.0 for l in layers}
     count = 0
     try:
         for b in batches:
             capture.record(model, _to(b, device))
             for l in layers:
-                (q, k, _v), kw = capture.inputs[l]
+                (q, k, v), kw = capture.inputs[l]
                 mask = kw.get('key_padding_mask')
                 causal = getattr(cores[l], 'causal', True)
                 w_t = _masked_weights(A.softmax_weights(q, k, causal=causal), mask)
                 w_s = _masked_weights(cores[l].weights(q, k, key_padding_mask=mask), mask)
                 sums[l] += float(_row_mean(A.kl_divergence(w_t, w_s), mask))
+                err = (cores[l](q, k, v, **kw).float() - capture.outputs[l].float()).square().mean(-1)  # (B, H, T)
+                mses[l] += float(_row_mean(err, mask))
             count += 1
     finally:
         model.train(was)
     kl = {l: sums[l] / max(count, 1) for l in layers}
-    return {'kl_mean': sum(kl.values()) / max(len(kl), 1), 'kl_layers': {str(l): v for l, v in kl.items()}}
+    mse = {l: mses[l] / max(count, 1) for l in layers}
+    return {'kl_mean': sum(kl.values()) / max(len(kl), 1), 'kl_layers': {str(l): v for l, v in kl.items()},
+            'mse_mean': sum(mse.values()) / max(len(mse), 1), 'mse_layers': {str(l): v for l, v in mse.items()}}
 
 
 @torch.no_grad()
@@ -831,16 +864,31 @@ def collect_qk(model, capture: TeacherCapture, layers, batches, device, max_toke
 
 
 @torch.no_grad()
-def calibrate_lln(model, capture, layers, batches, device):
-    """LLN's moment matching needs the teacher's query/key variances: freeze them on calibration data."""
+def calibrate_cores(model, capture, layers, batches, device):
+    """Data-dependent initialisation on calibration batches: LLN's moment matching (the teacher's query/key
+    variances), and the 'mix' window hybrid's s = the teacher's mean softmax mass inside the window
+    (attention.window_mass, see attention.Attention.calibrate)."""
+    import attention as A
     cores = model.attention_cores()
     todo = [l for l in layers if cores[l].fmap is not None and hasattr(cores[l].fmap, 'calibrate')]
-    if not todo:
+    if todo:
+        qk = collect_qk(model, capture, todo, batches, device, max_tokens=1 << 30)
+        for l in todo:
+            q, k = qk[l]
+            cores[l].fmap.calibrate(q[None].to(device), k[None].to(device))  # (1, H, M, D)
+    mix = [l for l in layers if cores[l].window and cores[l].window_combine == 'mix']
+    if not mix:
         return
-    qk = collect_qk(model, capture, todo, batches, device, max_tokens=1 << 30)
-    for l in todo:
-        q, k = qk[l]
-        cores[l].fmap.calibrate(q[None].to(device), k[None].to(device))  # (1, H, M, D)
+    sums, rows = {l: 0.0 for l in mix}, {l: 0 for l in mix}
+    for b in batches:
+        capture.record(model, _to(b, device))
+        for l in mix:
+            (q, k, _v), _kw = capture.inputs[l]
+            t, n = A.window_mass(q, k, cores[l].window, cores[l].causal)
+            sums[l], rows[l] = sums[l] + t, rows[l] + n
+    for l in mix:
+        if rows[l]:
+            cores[l].set_window_mix(sums[l] / rows[l])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -975,14 +1023,22 @@ def get_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group('what to convert')
     g.add_argument('--init_from', default='gpt2',
-                   help='teacher: a hub name (needs internet), a local HuggingFace folder, or one of our '
-                        'checkpoints (train.py output file or folder)')
+                   help='teacher: a hub name (needs internet), a local HuggingFace folder, a llama.cpp .gguf file, '
+                        'or one of our checkpoints (train.py output file or folder)')
+    g.add_argument('--tokenizer', default=None,
+                   help="a HuggingFace folder or .gguf file whose tokenizer replaces the teacher's own (e.g. for "
+                        'old checkpoints that carry none)')
     g.add_argument('--attn', default='hedgehog',
-                   help='the linear map (any attention.FEATURE_MAPS name); softmax = a control run that skips '
+                   help='the linear map (any attention.FEATURE_MAPS name, with options as in train.py: '
+                        '"lolcats:activation=elu", "exp:t=2"); softmax = a control run that skips '
                         'the conversion and only finetunes the teacher (stage 2), same data and budget')
     g.add_argument('--layers', default='all', help='layers to convert: "all", "0,2,5", "0-3", "-1"')
     g.add_argument('--window', type=int, default=0,
                    help='> 0: sliding-window softmax + linear hybrid (LoLCATs-w) with this window')
+    g.add_argument('--window_combine', default='joint', choices=['joint', 'mix'],
+                   help='the window hybrid\'s form: joint = one normalisation over window and linear terms, g on '
+                        'the linear term (LoLCATs ICLR 2025 Eq. 8); mix = s y_window + (1 - s) y_linear, each '
+                        'normalised, s initialised to the teacher\'s window mass (LoLCATs workshop paper Eq. 8)')
     g.add_argument('--diag_block', type=int, default=0,
                    help='> 0: block-diagonal softmax + linear, averaged (LLN+Diag), with this block')
     g.add_argument('--feature_dim', type=int, default=None,
@@ -1004,6 +1060,9 @@ def get_parser():
     g.add_argument('--batch_size', type=int, default=8)
     g.add_argument('--block_size', type=int, default=128, help='sequence length (capped at the model\'s)')
     g.add_argument('--eval_batches', type=int, default=8, help='held-out batches per evaluation')
+    g.add_argument('--fidelity_batches', type=int, default=0,
+                   help='of those, how many the attention fidelity (KL, output MSE; quadratic in the block size) '
+                        'uses (0 = all)')
     g = p.add_argument_group('stage 1: attention transfer (teacher frozen, new parameters only)')
     g.add_argument('--stage1_iters', type=int, default=200)
     g.add_argument('--lr', type=float, default=1e-2, help='stage-1 AdamW learning rate (weight decay 0)')
@@ -1018,12 +1077,20 @@ def get_parser():
     g.add_argument('--dof_budget', type=float, default=0,
                    help='> 0: choose per-layer feature dimensions from the degrees of freedom with this mean '
                         '(dof: M random features; hedgehog: the total width F = 2 x MLP outputs)')
-    g.add_argument('--dof_lambda', type=float, default=1e-2, help='ridge lambda in tr(G (G + lambda I)^-1)')
-    g.add_argument('--dof_samples', type=int, default=256, help='N calibration points per head')
-    g.add_argument('--dof_gram', default='sym', choices=['sym', 'cross'],
-                   help='sym: exp kernel on the union of sampled queries and keys; cross: queries x keys')
+    g.add_argument('--dof_lambda', type=float, default=DOF_LAMBDA_GPT2,
+                   help="lambda in tr(G (G + lambda I)^-1); default 2^-4, the paper's value for GPT-2 (2^-8 for "
+                        "Pythia-1B); with --dof_gram_scale mean, lambda x J is the paper's equivalent")
+    g.add_argument('--dof_samples', type=int, default=256,
+                   help='J, the points sampled per head (the paper leaves J open)')
+    g.add_argument('--dof_gram_scale', default='none', choices=list(GRAM_SCALES),
+                   help="none: the paper's Gram matrix [exp(x_i.x_j/sqrt d)]; mean: divided by J (its DoF at "
+                        "lambda is the paper's at J x lambda)")
+    g.add_argument('--dof_gram', default='sym', choices=list(GRAMS),
+                   help="sym (the paper's): J points from the pooled queries and keys; sym_half: J/2 queries and "
+                        'J/2 keys; cross: J queries x J keys, singular values')
     g.add_argument('--dof_clip', action='store_true',
-                   help='clip the per-layer dimension at head_dim (hedgehog: 2 x head_dim)')
+                   help='DoF + Clip (paper Sec. 4.2): clamp each layer at head_dim after the allocation '
+                        '(hedgehog: F at 2 x head_dim), nothing redistributed: the mean cost falls below the budget')
     g.add_argument('--dof_calib_batches', type=int, default=4)
     g = p.add_argument_group('stage 2: finetuning')
     g.add_argument('--stage2_iters', type=int, default=200)
@@ -1066,38 +1133,25 @@ def resolve_loss_weights(args) -> dict:
     return w
 
 
-_TOKENIZER_FILES = ('tokenizer.json', 'vocab.json', 'vocab.txt', 'tokenizer.model')
+def get_tokenizer(model, path=None):
+    """The tokenizer for the model's data: --tokenizer PATH (a HF folder or .gguf) if given, else the model's own
+    (from its checkpoint, HF folder or GGUF file), else the project tokenizer matching its vocab_size (byte 257,
+    tiktoken gpt2 50257/50304). Anything else is a ConversionError asking for --tokenizer: no fallback to bytes."""
+    import tokenizer as tokenizer_lib
+    try:
+        return tokenizer_lib.resolve(model, path)
+    except (tokenizer_lib.TokenizerError, OSError) as e:
+        raise ConversionError(_first_line(e)) from None
 
 
-def get_tokenizer(base):
-    """The base model's own tokenizer for a HuggingFace folder that has one (transformers), else
-    train.py's (tiktoken GPT-2 when available, else bytes): an object with encode(str) -> list[int]."""
-    if os.path.isdir(base) and any(os.path.exists(os.path.join(base, f)) for f in _TOKENIZER_FILES):
-        try:
-            from transformers import AutoTokenizer
-            hf = AutoTokenizer.from_pretrained(base)
-
-            class _HF:
-                name = f'hf:{type(hf).__name__}'
-
-                def encode(self, text):
-                    return hf.encode(text, add_special_tokens=False)
-            return _HF()
-        except Exception as e:  # noqa: BLE001 - fall back to the project tokenizer
-            print(f'tokenizer: cannot load the one in {base} ({type(e).__name__}); using train.py\'s')
-    import train
-    return train.get_tokenizer(verbose=True)
-
-
-def load_lm_data(args, model, info, block_size):
-    """(train_ids, val_ids) of --data with the base model's tokenizer.  Held-out text: --val_data, else
+def load_lm_data(args, model, block_size):
+    """(train_ids, val_ids) of --data with model.tokenizer (get_tokenizer).  Held-out text: --val_data, else
     the same split train.py uses (the last --val_fraction of a local file/folder, or the `datasets`
     validation split), so a teacher trained with train.py is evaluated on text it has not seen."""
     import types
     import train
-    tok = get_tokenizer(info['base'])
-    enc = (lambda t: tok.encode_array(t)) if hasattr(tok, 'encode_array') else (
-        lambda t: torch.tensor(tok.encode(t), dtype=torch.long).numpy())
+    tok = model.tokenizer
+    enc = tok.encode_array
     try:
         if args.val_data:
             train_ids = enc(train.load_text(args.data))
@@ -1112,8 +1166,7 @@ def load_lm_data(args, model, info, block_size):
     V = model.config.vocab_size
     top = int(max(train_ids.max(), val_ids.max()))
     if top >= V:
-        raise ConversionError(f'the tokenizer ({getattr(tok, "name", "?")}) produced id {top} but the model '
-                              f'has vocab_size {V}')
+        raise ConversionError(f'the tokenizer ({tok.name}) produced id {top} but the model has vocab_size {V}')
     return train_ids, val_ids
 
 
@@ -1122,13 +1175,13 @@ class _EncodeArray:
         self.encode_array = enc
 
 
-def load_glue_data(args, block_size):
-    """GLUE train/dev examples encoded as train.py does it (GlueEncoder: the model folder's tokenizer,
-    else [eot] a [eot] b [eot] with train.py's tokenizer)."""
+def load_glue_data(args, tok, block_size):
+    """GLUE train/dev examples encoded as train.py does it (GlueEncoder with the model's tokenizer `tok`:
+    [CLS] a [SEP] b [SEP] for a BERT tokenizer, else [eot] a [eot] b [eot])."""
     import train
     try:
         task = train.glue_task_name(args.glue_task)
-        enc = train.GlueEncoder(args.init_from, block_size)
+        enc = train.GlueEncoder(tok, block_size)
         splits = {}
         for split in ('train', 'validation'):
             rows = train.load_glue(task, args.data, split)
@@ -1140,10 +1193,12 @@ def load_glue_data(args, block_size):
             'dev': splits['validation']}
 
 
-def _stage_record(model, capture, layers, eval_batches, device, task, glue_task, seconds=None, history=None):
+def _stage_record(model, capture, layers, eval_batches, device, task, glue_task, seconds=None, history=None,
+                  fidelity_batches=0):
     rec = {}
     if eval_batches is not None:
-        rec['fidelity'] = evaluate_fidelity(model, capture, layers, eval_batches, device)
+        fid = eval_batches[:fidelity_batches] if fidelity_batches > 0 else eval_batches
+        rec['fidelity'] = evaluate_fidelity(model, capture, layers, fid, device)
         if task == 'lm' and _family(model) == 'bert':
             rec['quality'] = None
         else:
@@ -1161,7 +1216,8 @@ def _print_stage(name, rec, teacher=None):
     parts = []
     if fid:
         per = ' '.join(f"L{l}={v:.3f}" for l, v in fid['kl_layers'].items())
-        parts.append(f"KL(teacher||student) mean {fid['kl_mean']:.4f} nats [{per}]")
+        parts.append(f"KL(teacher||student) mean {fid['kl_mean']:.4f} nats [{per}], output MSE "
+                     f"{fid['mse_mean']:.4g}")
     if q:
         parts.append(' '.join(f'{k} {v:.4g}' for k, v in q.items()))
     print(f'== {name}: ' + ' | '.join(parts), flush=True)
@@ -1182,13 +1238,22 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     import attention as A
+    import train
+    name = args.attn.partition(':')[0]
+    if name not in A.ATTN_CHOICES:
+        raise ConversionError(f'unknown --attn {name!r}; choose from {", ".join(A.FEATURE_MAPS)} '
+                              '(or softmax: the control run, stage 2 on the unconverted teacher)')
+    try:  # 'lolcats:activation=elu' / 'exp:t=2': a map name with options (train.parse_attn_spec)
+        args.attn, args.attn_options = train.parse_attn_spec(args.attn)
+    except ValueError as e:
+        raise ConversionError(f'--attn {args.attn!r}: {e}') from None
     if args.attn not in A.ATTN_CHOICES:
         raise ConversionError(f'unknown --attn {args.attn!r}; choose from {", ".join(A.FEATURE_MAPS)} '
                               '(or softmax: the control run, stage 2 on the unconverted teacher)')
     if args.attn == 'softmax' and (args.window or args.diag_block or args.feature_dim):
         raise ConversionError('--attn softmax (the control run) takes no --window, --diag_block or --feature_dim')
     for name in ('stage1_iters', 'stage2_iters', 'lora_rank', 'window', 'diag_block', 'batch_size',
-                 'block_size', 'eval_batches'):
+                 'block_size', 'eval_batches', 'fidelity_batches'):
         if getattr(args, name) < 0:
             raise ConversionError(f'--{name} must be >= 0')
     if args.batch_size < 1 or args.block_size < 2:
@@ -1197,13 +1262,24 @@ def run(args):
         raise ConversionError('choose one hybrid: --window (LoLCATs) or --diag_block (LLN+Diag)')
     if args.dof_budget and args.attn not in ('dof', 'hedgehog'):
         raise ConversionError(f'--dof_budget applies to --attn dof or hedgehog, not {args.attn!r}')
+    if args.dof_budget < 0 or (args.dof_clip and not args.dof_budget):
+        raise ConversionError('--dof_budget must be > 0 to select dimensions (and --dof_clip needs it)')
+    if args.dof_budget and (args.dof_lambda <= 0 or args.dof_samples < 2):
+        raise ConversionError(f'--dof_lambda must be > 0 and --dof_samples (J) >= 2, got {args.dof_lambda:g} '
+                              f'and {args.dof_samples}')
     weights = resolve_loss_weights(args)
     device = args.device
     overrides = {}
     if args.task == 'glue':
-        glue = load_glue_data(args, args.block_size)
-        overrides['num_labels'] = int(glue['num_labels'])
+        import train
+        try:
+            overrides['num_labels'] = train.glue_num_labels(train.glue_task_name(args.glue_task))
+        except ValueError as e:
+            raise ConversionError(f'--glue_task: {_first_line(e)}') from None
     model, info = load_base(args.init_from, device, **overrides)
+    base_tokenizer = model.tokenizer   # recorded: load_converted checks that the base still has this tokenizer
+    model.tokenizer = get_tokenizer(model, args.tokenizer)
+    print(f'tokenizer: {model.tokenizer.name}, vocab {model.tokenizer.vocab_size}', flush=True)
     cfg = model.config
     family = cfg.family
     if args.task == 'lm' and family == 'bert' and args.stage2_iters > 0:
@@ -1215,12 +1291,13 @@ def run(args):
     # ---- data
     unigram = None
     if args.task == 'lm':
-        train_ids, val_ids = load_lm_data(args, model, info, block_size)
+        train_ids, val_ids = load_lm_data(args, model, block_size)
         data = LMData(train_ids, val_ids, block_size, args.batch_size, args.seed)
         if family != 'bert':
             u = unigram_loss(train_ids, val_ids, cfg.vocab_size)
             unigram = {'loss': u, 'ppl': math.exp(u)}
     else:
+        glue = load_glue_data(args, model.tokenizer, block_size)
         data = GlueData(glue['train'], glue['dev'], args.batch_size, glue['task'], pad_id=0, seed=args.seed,
                         max_len=block_size)
     eval_batches = data.eval_batches(args.eval_batches)
@@ -1229,7 +1306,8 @@ def run(args):
           f'{cfg.head_dim}) to {args.attn!r} on layers {layers}; block {block_size}, batch {args.batch_size}; '
           f'stage-1 loss weights {weights}', flush=True)
     summary = {'base_model': info['base'], 'base_kind': info['base_kind'], 'family': family,
-               'attn': args.attn, 'layers': layers, 'window': args.window, 'diag_block': args.diag_block,
+               'attn': args.attn, 'attn_options': args.attn_options, 'window_combine': args.window_combine,
+               'layers': layers, 'window': args.window, 'diag_block': args.diag_block,
                'loss_weights': weights, 'task': args.task, 'glue_task': args.glue_task if args.task == 'glue'
                else None, 'block_size': block_size, 'args': vars(args), 'unigram': unigram,
                'recovery_definition': '100 (L_unigram - L) / (L_unigram - L_teacher), held-out nats/token; '
@@ -1242,7 +1320,7 @@ def run(args):
         print('== teacher: ' + ' '.join(f'{k} {v:.4g}' for k, v in summary['teacher'].items())
               + (f" | unigram ppl {unigram['ppl']:.4g}" if unigram else ''), flush=True)
     # ---- DoF feature-dimension selection
-    map_options = {}
+    map_options = dict(args.attn_options)
     if args.feature_dim:
         map_options['feature_dim'] = args.feature_dim
     layer_options = {}
@@ -1250,38 +1328,45 @@ def run(args):
         cap0 = TeacherCapture(model.attention_cores(), layers)
         qk = collect_qk(model, cap0, layers, calib, device)
         cap0.remove()
-        half = args.attn == 'hedgehog'  # hedgehog's F = 2 x (MLP outputs): allocate MLP outputs
-        clip = (cfg.head_dim if args.dof_clip else None)
-        dims, table = select_feature_dims(qk, args.dof_budget / (2 if half else 1), args.dof_lambda,
-                                          args.dof_samples, clip=clip, min_dim=1 if half else 2,
-                                          gram=args.dof_gram, seed=args.seed, verbose=False)
-        if half:
-            dims = {l: 2 * d for l, d in dims.items()}
-            for r in table:
-                r['feature_dim'] *= 2
-        print(format_dof_table(table, args.dof_budget, args.dof_lambda, args.dof_samples, args.dof_gram),
-              flush=True)
+        f = 2 if args.attn == 'hedgehog' else 1  # hedgehog's F = 2 x (MLP outputs): allocate MLP outputs
+        clip = cfg.head_dim if args.dof_clip else None  # DoF + Clip: M <= head size (hedgehog: F <= 2 head_dim)
+        dims, table = select_feature_dims(qk, args.dof_budget / f, args.dof_lambda, args.dof_samples, clip=clip,
+                                          min_dim=1 if f == 2 else 2, gram=args.dof_gram, seed=args.seed,
+                                          verbose=False, gram_scale=args.dof_gram_scale)
+        dims = {l: f * d for l, d in dims.items()}
+        for r in table:
+            r['feature_dim'] *= f
+            if 'unclipped' in r:
+                r['unclipped'] *= f
+        clip = clip and f * clip
+        print(format_dof_table(table, args.dof_budget, args.dof_lambda, args.dof_samples, args.dof_gram,
+                               args.dof_gram_scale, clip), flush=True)
         layer_options = {l: {'feature_dim': d} for l, d in dims.items()}
+        summary['dof'] = {'lambda': args.dof_lambda, 'J': args.dof_samples, 'gram': args.dof_gram,
+                          'gram_scale': args.dof_gram_scale, 'budget': args.dof_budget, 'clip': clip,
+                          'calib_tokens': qk[layers[0]][0].shape[1],
+                          'mean_feature_dim': sum(dims.values()) / len(dims)}
         summary['dof_table'] = table
     # ---- swap
     torch.manual_seed(args.seed)
     if args.attn != 'softmax':  # softmax: the control run (no conversion; stage 2 on the teacher itself)
         swap_attention(model, args.attn, layers, args.window, args.diag_block, dict(map_options, impl=args.impl),
-                       layer_options, args.max_feature_dim)
+                       layer_options, args.max_feature_dim, args.window_combine)
     model.to(device)
     cores = model.attention_cores()
     summary['feature_dims'] = {str(l): cores[l].fmap.feature_dim for l in layers if cores[l].fmap is not None}
     capture = TeacherCapture(cores, layers)
-    calibrate_lln(model, capture, layers, calib, device)
+    calibrate_cores(model, capture, layers, calib, device)
     stages = summary['stages'] = {}
-    stages['swap'] = _stage_record(model, capture, layers, eval_batches, device, args.task, args.glue_task)
+    stages['swap'] = _stage_record(model, capture, layers, eval_batches, device, args.task, args.glue_task,
+                                   fidelity_batches=args.fidelity_batches)
     _print_stage('after swap (untrained)', stages['swap'])
     # ---- stage 1
     t0 = time.time()
     h1 = attention_transfer(model, capture, layers, data, args.stage1_iters, args.lr, weights, device,
                             args.log_interval)
     stages['stage1'] = _stage_record(model, capture, layers, eval_batches, device, args.task, args.glue_task,
-                                     time.time() - t0, h1)
+                                     time.time() - t0, h1, args.fidelity_batches)
     _print_stage('after stage 1 (attention transfer)', stages['stage1'])
     # ---- stage 2
     lora = None
@@ -1306,7 +1391,7 @@ def run(args):
         h2 = finetune(model, data, args.stage2_iters, lr2, device, args.task, lora=lora is not None,
                       log_every=args.log_interval, extra_trainable=extra_prefixes)
         stages['stage2'] = _stage_record(model, capture, layers, eval_batches, device, args.task,
-                                         args.glue_task, time.time() - t0, h2)
+                                         args.glue_task, time.time() - t0, h2, args.fidelity_batches)
         stages['stage2']['mode'] = finetune_mode
         stages['stage2']['lr'] = lr2
         _print_stage(f'after stage 2 ({finetune_mode})', stages['stage2'])
@@ -1322,7 +1407,8 @@ def run(args):
     manifest = {'base_model': info['base'], 'base_kind': info['base_kind'], 'attn': args.attn,
                 'layers': layers, 'window': args.window, 'diag_block': args.diag_block,
                 'overrides': overrides, 'lora': lora, 'finetune': finetune_mode, 'seed': args.seed,
-                'feature_dims': summary['feature_dims'], 'task': args.task, 'extra_prefixes': extra_prefixes}
+                'feature_dims': summary['feature_dims'], 'task': args.task, 'extra_prefixes': extra_prefixes,
+                'base_tokenizer': base_tokenizer.fingerprint if base_tokenizer is not None else None}
     save_converted(args.out_dir, model, manifest)
     summary['out_dir'] = os.path.abspath(args.out_dir)
     summary['seconds'] = round(time.time() - t_start, 1)
@@ -1355,7 +1441,9 @@ def report(dirs) -> str:
 
         def rec(n):
             return _fmt_num((st.get(n) or {}).get('recovery_pct'), '.1f')
-        attn = s['attn'] + (f"-w{s['window']}" if s.get('window') else '') + (
+        opts = ''.join(f':{k}={v}' for k, v in (s.get('attn_options') or {}).items())
+        mix = '(mix)' if s.get('window') and s.get('window_combine') == 'mix' else ''
+        attn = s['attn'] + opts + (f"-w{s['window']}{mix}" if s.get('window') else '') + (
             f"+diag{s['diag_block']}" if s.get('diag_block') else '')
         fd = s.get('feature_dims') or {}
         fmean = sum(fd.values()) / len(fd) if fd else None

@@ -8,10 +8,12 @@ One script, one flag per report; every report prints a table and writes <out_dir
     python eval.py --ckpt out --rouge --data dialogues.jsonl --max_new_tokens 64
     python eval.py --ckpt out-convert --fidelity --data input.txt --layers 0,1 --heads 0,1 --maps elu,performer
     python eval.py --bench attention,decode --out_dir out/bench
+    python eval.py --lln --out_dir out/lln                  # LLN Fig. 2 on Gaussian q, k (no model)
 
 --ckpt is a train.py checkpoint (out_dir/ckpt.pt, or the out_dir), a convert.py output folder (manifest.json), a
-Hugging Face folder, or a hub name (model.GPT.from_pretrained). Matplotlib is optional: without it the numbers
-still print and the JSON is written.
+Hugging Face folder, a llama.cpp .gguf file, or a hub name (model.GPT.from_pretrained). Text is encoded with the
+model's own tokenizer (the one its checkpoint carries) or --tokenizer PATH. Matplotlib is optional: without it the
+numbers still print and the JSON is written.
 """
 import argparse
 import json
@@ -30,7 +32,7 @@ import attention
 import train
 
 BENCH_CHOICES = ['attention', 'model', 'decode', 'kernels', 'all']
-REPORTS = ['ppl', 'glue', 'rouge', 'fidelity', 'bench']
+REPORTS = ['ppl', 'glue', 'rouge', 'fidelity', 'bench', 'lln']
 
 # The SAMSum prompt (Hedgehog, Listing 4): the llama-recipes SAMSum template -- instruction, the dialogue, a
 # separator line and "Summary:"; the model continues with the summary and EOS. (Written from the llama-recipes
@@ -144,7 +146,7 @@ def _find_checkpoint_file(folder):
 def load_model(ckpt, device='cpu'):
     """(model, extra). --ckpt may be: one of our checkpoint files (model.save_checkpoint) or a folder holding
     one; a converted folder (manifest.json from convert.py or model.save_new_parameters); a Hugging Face
-    folder; or a hub name (model.GPT.from_pretrained)."""
+    folder; a llama.cpp .gguf file; or a hub name (model.GPT.from_pretrained)."""
     import model as model_lib
     if ckpt is None:
         raise EvalError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
@@ -160,6 +162,8 @@ def load_model(ckpt, device='cpu'):
                 m = convert.load_converted(ckpt, device)
         elif os.path.isdir(ckpt) and not _is_hf_folder(ckpt):
             m, extra = model_lib.load_checkpoint(_find_checkpoint_file(ckpt))
+        elif os.path.isfile(ckpt) and ckpt.endswith('.gguf'):
+            m = model_lib.GPT.from_pretrained(ckpt)
         elif os.path.isfile(ckpt):
             m, extra = model_lib.load_checkpoint(ckpt)
         else:
@@ -173,28 +177,16 @@ def load_model(ckpt, device='cpu'):
     return m, (extra or {})
 
 
-class Tokenizer:
-    """encode(str) -> list[int], decode(list[int]) -> str, eos_id, name."""
-
-    def __init__(self, encode, decode, eos_id, name):
-        self.encode, self.decode, self.eos_id, self.name = encode, decode, eos_id, name
-
-
-def load_tokenizer(ckpt=None):
-    """A Hugging Face folder with tokenizer files uses its own tokenizer; otherwise train.get_tokenizer()
-    (tiktoken's GPT-2 BPE when it loads, else bytes)."""
-    if ckpt and os.path.isdir(ckpt) and any(os.path.exists(os.path.join(ckpt, f)) for f in (
-            'tokenizer.json', 'vocab.json', 'vocab.txt', 'tokenizer.model')):
-        try:
-            from transformers import AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(ckpt)
-            return Tokenizer(lambda s: tok.encode(s, add_special_tokens=False),
-                             lambda ids: tok.decode(ids, skip_special_tokens=True),
-                             tok.eos_token_id, f'hf:{type(tok).__name__}')
-        except Exception as e:  # noqa: BLE001 - fall back to the project tokenizer
-            log(f'could not load the tokenizer in {ckpt} ({type(e).__name__}); using train.get_tokenizer()')
-    t = train.get_tokenizer(verbose=False)
-    return Tokenizer(t.encode, t.decode, t.eot, t.name)
+def load_tokenizer(model, path=None):
+    """The tokenizer for `model`: --tokenizer PATH (a HF folder or .gguf file) if given, else the model's own
+    (from its checkpoint, converted folder, HF folder or GGUF file), else the project tokenizer matching its
+    vocab_size (byte 257, tiktoken gpt2 50257/50304). Anything else is an EvalError asking for --tokenizer.
+    The result has encode(str) -> list[int], decode(ids), eos_id and name (tokenizer.py)."""
+    import tokenizer as tokenizer_lib
+    try:
+        return tokenizer_lib.resolve(model, path)
+    except (tokenizer_lib.TokenizerError, OSError) as e:
+        raise EvalError(str(e).splitlines()[0])
 
 
 def load_corpus_text(data, split='test'):
@@ -277,7 +269,7 @@ def report_ppl(args):
     model, _ = load_model(args.ckpt, device)
     if model.config.family == 'bert':
         raise EvalError('--ppl needs a causal model (family gpt2 or llama), got bert')
-    tok = load_tokenizer(args.ckpt)
+    tok = load_tokenizer(model, args.tokenizer)
     text, source = load_corpus_text(args.data, args.split)
     ids = tok.encode(text)
     if args.max_tokens:
@@ -332,7 +324,7 @@ def report_glue(args):
         dev = dev[:args.limit]
     if not dev:
         raise EvalError(f'no labelled validation examples for {task} in {args.data}')
-    enc = train.GlueEncoder(tc.get('init_from', 'scratch'), tc.get('seq_len') or model.config.block_size,
+    enc = train.GlueEncoder(load_tokenizer(model, args.tokenizer), tc.get('seq_len') or model.config.block_size,
                             verbose=False)
     log(f'tokenizer: {enc.name}; GLUE {task} validation: {len(dev)} examples from {args.data or "datasets"}')
     preds, labels = predict_glue(module, enc, dev, num_labels, args.device, args.batch_size)
@@ -410,7 +402,7 @@ def report_rouge(args):
     model, _ = load_model(args.ckpt, args.device)
     if model.config.family == 'bert':
         raise EvalError('--rouge needs a causal model (family gpt2 or llama), got bert')
-    tok = load_tokenizer(args.ckpt)
+    tok = load_tokenizer(model, args.tokenizer)
     rows, source = load_summaries(args.data, args.split, args.limit)
     if not rows:
         raise EvalError(f'no examples in {source}')
@@ -519,7 +511,7 @@ def report_fidelity(args):
     extra_maps = parse_maps(args.maps)
     model, _ = load_model(args.ckpt, args.device)
     cfg = model.config
-    tok = load_tokenizer(args.ckpt)
+    tok = load_tokenizer(model, args.tokenizer)
     text, source = load_corpus_text(args.data, args.split)
     context = args.context or min(cfg.block_size, 128)
     if context > cfg.block_size:
@@ -715,6 +707,120 @@ def fidelity_figures(args, qk, per_layer_weights, layers, cores):
 
 
 # -----------------------------------------------------------------------------------------------------------
+# LLN Fig. 2: does moment matching make LLN concentrate like softmax?
+
+# (label, attention name, map options): the curves of LLN Fig. 2 plus the LLN temperature choices and baselines
+LLN_FIG2_METHODS = [('softmax', 'softmax', {}), ('lln paper', 'lln', {'match': 'paper'}),
+                    ('lln kernel', 'lln', {'match': 'kernel'}), ('lln entropy', 'lln', {'match': 'entropy'}),
+                    ('lln none', 'lln', {'match': 'none'}), ('elu', 'elu', {}), ('relu', 'relu', {})]
+
+
+def _parse_floats(s, what):
+    try:
+        vals = [float(x) for x in s.split(',') if x.strip()]
+    except ValueError:
+        raise EvalError(f'--{what} wants comma-separated numbers, got {s!r}')
+    if not vals or any(not v > 0 for v in vals):
+        raise EvalError(f'--{what} wants positive numbers, got {s!r}')
+    return vals
+
+
+@torch.no_grad()
+def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
+    """Row entropy (bits) and spectral gap of bidirectional attention matrices against the softmax temperature
+    sigma^2 = sigma_q^2 sigma_k^2 (LLN Fig. 2): q, k ~ N(0, sqrt(sigma^2) I_D), so sigma_q^2 = sigma_k^2 = sigma;
+    `seeds` independent sequences (the same unit draws, rescaled, at every sigma^2; generator seed 1000 + seed, so
+    they are not the samples the LLN fits were made on). LLN maps are calibrated on the q, k they are applied to.
+    Returns {label: {'entropy_bits', 'entropy_std', 'spectral_gap', 'spectral_gap_std', 'alpha'}}, one value per
+    sigma^2: mean (std) over sequences of the per-sequence value (entropy: its mean over rows)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    q0 = torch.randn(seeds, 1, tokens, head_dim, generator=g, dtype=torch.float64)
+    k0 = torch.randn(seeds, 1, tokens, head_dim, generator=g, dtype=torch.float64)
+    res = {label: {'entropy_bits': [], 'entropy_std': [], 'spectral_gap': [], 'spectral_gap_std': [], 'alpha': []}
+           for label, _, _ in LLN_FIG2_METHODS}
+    for s2 in grid:
+        q, k = q0 * s2 ** 0.25, k0 * s2 ** 0.25
+        for label, name, opts in LLN_FIG2_METHODS:
+            core = attention.Attention(name, head_dim, 1, causal=False, **opts)
+            if name == 'lln':
+                core.fmap.calibrate(q, k)
+                res[label]['alpha'].append(core.fmap.alpha_beta()[0].item())
+            w = core.weights(q, k).double()
+            ent = attention.attention_entropy(w).mean(dim=(1, 2)) / math.log(2)  # (seeds,) bits
+            gap = attention.spectral_gap(w)[:, 0]  # (seeds,)
+            res[label]['entropy_bits'].append(ent.mean().item())
+            res[label]['entropy_std'].append(ent.std().item() if seeds > 1 else 0.0)
+            res[label]['spectral_gap'].append(gap.mean().item())
+            res[label]['spectral_gap_std'].append(gap.std().item() if seeds > 1 else 0.0)
+    return {label: {key: v for key, v in d.items() if v} for label, d in res.items()}
+
+
+def lln_entropy_error(curves, grid, lo=1.0, hi=4.0):
+    """{label: max over sigma^2 in [lo, hi] of |entropy - softmax's entropy|} in bits (None if no point there)."""
+    idx = [i for i, s2 in enumerate(grid) if lo <= s2 <= hi]
+    ref = curves['softmax']['entropy_bits']
+    return {label: (max(abs(d['entropy_bits'][i] - ref[i]) for i in idx) if idx else None)
+            for label, d in curves.items() if label != 'softmax'}
+
+
+def report_lln(args):
+    grid = _parse_floats(args.lln_grid, 'lln_grid')
+    if args.lln_head_dim < 1 or args.lln_tokens < 2 or args.lln_seeds < 1:
+        raise EvalError(f'--lln_head_dim >= 1, --lln_tokens >= 2 and --lln_seeds >= 1 please, got '
+                        f'{args.lln_head_dim}, {args.lln_tokens}, {args.lln_seeds}')
+    D, T = args.lln_head_dim, args.lln_tokens
+    fits = {m: attention.lln_fit(D, m) for m in ('paper', 'kernel')}
+    log(f'LLN Fig. 2 on Gaussian q, k: head_dim {D}, {T} tokens, bidirectional, {args.lln_seeds} sequences; '
+        f'sigma^2 = sigma_q^2 sigma_k^2 with sigma_q^2 = sigma_k^2')
+    log('  fits a s~^2 + b: ' + '; '.join(f'{m} a = {a:.4f} b = {b:+.4f}' for m, (a, b) in fits.items())
+        + '  (paper, published for D = 64: a = 0.1486 b = -0.3549)')
+    curves = lln_fig2(D, T, grid, args.lln_seeds, args.seed)
+    err = lln_entropy_error(curves, grid)
+    labels = list(curves)
+    for key, title in (('entropy_bits', 'row entropy (bits)'), ('spectral_gap', 'spectral gap 1 - |lambda_2|')):
+        log(f'{title}, mean over {args.lln_seeds} sequences')
+        log(f'{"sigma^2":>8s} ' + ' '.join(f'{lab:>11s}' for lab in labels))
+        for i, s2 in enumerate(grid):
+            log(f'{s2:8.3g} ' + ' '.join(f'{curves[lab][key][i]:11.3f}' for lab in labels))
+    log('LLN alpha = beta per sigma^2: ' + '; '.join(
+        f'{lab} ' + ' '.join(f'{a:.2f}' for a in curves[lab]['alpha']) for lab in labels if 'alpha' in curves[lab]))
+    log('max |entropy - softmax entropy| over sigma^2 in [1, 4] (bits): ' + ', '.join(
+        f'{lab} {e:.2f}' for lab, e in err.items() if e is not None))
+    res = {'head_dim': D, 'tokens': T, 'seeds': args.lln_seeds, 'seed': args.seed, 'grid_sigma2': grid,
+           'fits': {m: {'a': a, 'b': b} for m, (a, b) in fits.items()}, 'curves': curves,
+           'max_entropy_error_1_4': err, 'figures': []}
+    res['figures'] = lln_figure(args, grid, curves)
+    return res
+
+
+def lln_figure(args, grid, curves):
+    plt = _matplotlib()
+    if plt is None:
+        log('matplotlib not installed: no figure (numbers are in the JSON)')
+        return []
+    os.makedirs(args.out_dir, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, d in curves.items():
+        style = dict(color='k', lw=2.5) if label == 'softmax' else dict(ls='--' if label in ('elu', 'relu') else '-')
+        axes[0].plot(grid, d['entropy_bits'], marker='o', ms=3, label=label, **style)
+        axes[1].plot(grid, d['spectral_gap'], marker='o', ms=3, label=label, **style)
+    axes[0].set_ylabel('row entropy (bits)')
+    axes[1].set_ylabel('spectral gap 1 - |lambda_2|')
+    for ax in axes:
+        ax.set_xlabel('temperature sigma^2 = sigma_q^2 sigma_k^2')
+        ax.axvspan(1, 4, color='0.92', zorder=0)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f'LLN Fig. 2 on Gaussian q, k (head_dim {args.lln_head_dim}, {args.lln_tokens} tokens, '
+                 f'bidirectional)', fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(args.out_dir, 'lln.png')
+    fig.savefig(path, dpi=args.dpi)
+    plt.close(fig)
+    log(f'wrote {path}')
+    return [path]
+
+
+# -----------------------------------------------------------------------------------------------------------
 # benchmarks
 
 def _sync(device):
@@ -810,13 +916,15 @@ def bench_prefill(T_list, maps, device, n_layer=2, n_head=12, n_embd=768, warmup
 
 @torch.no_grad()
 def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=64, prompt=16,
-                 softmax_mode='prefill'):
+                 softmax_mode='prefill', linear_mode='generate', model=None):
     """Per-token decode time and memory vs generated length L, greedy, one token at a time with
-    model.prefill / model.decode_step. Linear maps generate max(lengths) tokens in one go (constant state); the
-    per-token time at L is the median over the `window` steps ending at L. Softmax (a KV cache that grows):
-    softmax_mode 'generate' does the same (O(L^2) in total: slow at 32K on a CPU); 'prefill' builds, for each
-    L, the cache of the first prompt + L - window tokens by prefill (the same cache generation would hold),
-    then times the `window` decode steps up to L. Memory at L: the attention state (exact) and process RSS."""
+    model.prefill / model.decode_step. 'generate' mode: max(lengths) tokens in one go; the per-token time at L is
+    the median over the `window` steps ending at L (linear maps: constant state). 'prefill' mode (the softmax
+    default: generating 32K tokens with a growing cache is O(L^2) in total, slow on a CPU): for each L, the
+    state of the first prompt + L - window tokens is built by prefill (the same KV cache or recurrent state that
+    generation would hold), then the `window` decode steps up to L are timed. Memory at L: the attention state
+    (exact) and process RSS. Random gpt2-style models of each map by default; with `model` (a real checkpoint)
+    it is timed with its own attention and as its softmax teacher (every core in teacher mode: a KV cache)."""
     import kernels  # lazily: PeakMemory etc.; importing triton early would break the interpreter tests
     import model as model_lib
     n_new = max(lengths)
@@ -824,6 +932,10 @@ def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=
     rows = []
 
     def make(name):
+        if model is not None:  # the checkpoint itself; 'softmax' = its teacher (exact attention, KV cache)
+            for c in model.attention_cores():
+                c.teacher = name == 'softmax'
+            return model
         torch.manual_seed(0)
         return model_lib.GPT(bench_model_config(name, n_new + prompt + 1, n_layer, n_head, n_embd)).to(device).eval()
 
@@ -839,7 +951,7 @@ def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=
         kernels.release_freed_memory()
         t_start = time.perf_counter()
         times, mem = {}, {}
-        mode = softmax_mode if name == 'softmax' else 'generate'
+        mode = softmax_mode if name == 'softmax' else linear_mode
         if mode == 'generate':
             idx = torch.randint(0, m.config.vocab_size, (1, prompt), device=device)
             logits, states = m.prefill(idx)
@@ -873,6 +985,9 @@ def bench_decode(lengths, maps, device, n_layer=1, n_head=2, n_embd=128, window=
             log(f'  decode {name:9s} at {L:6d} tokens: {med * 1e3:7.3f} ms/token ({1 / med:7.0f} tok/s), '
                 f'state {mem[L][0]:9.3f} MB, RSS {mem[L][1]:8.1f} MB')
         del m
+    if model is not None:
+        for c in model.attention_cores():
+            c.teacher = False
     return rows
 
 
@@ -1022,9 +1137,21 @@ def report_bench(args):
     if 'decode' in what:
         L_list = _parse_ints(args.decode_lengths, 'decode_lengths')
         log(f'decode, generated lengths {L_list}')
-        res['decode'] = bench_decode(L_list, maps, device, n_layer=args.decode_layers, n_head=args.decode_heads,
+        real, dmaps = None, maps
+        if args.ckpt:  # a real checkpoint: its own attention against its softmax teacher (KV cache)
+            real, _ = load_model(args.ckpt, device)
+            if real.config.family == 'bert':
+                raise EvalError('--bench decode needs a causal model (gpt2 or llama), got bert')
+            dmaps = [describe_attention(real)]
+            c = real.config
+            cfg['decode_model'] = (f'{args.ckpt}: {c.family}, {c.n_layer} layers, {c.n_head} heads ({c.n_kv_head} '
+                                   f'KV heads) of {c.head_dim}, vocab {c.vocab_size}, {real.get_num_params() / 1e6:.1f}M '
+                                   f'parameters; {dmaps[0]} vs its softmax teacher (KV cache); greedy; median of '
+                                   f'{args.decode_window} steps; states by softmax {args.decode_softmax}, '
+                                   f'{dmaps[0]} {args.decode_linear}')
+        res['decode'] = bench_decode(L_list, dmaps, device, n_layer=args.decode_layers, n_head=args.decode_heads,
                                      n_embd=64 * args.decode_heads, window=args.decode_window,
-                                     softmax_mode=args.decode_softmax)
+                                     softmax_mode=args.decode_softmax, linear_mode=args.decode_linear, model=real)
         flat = {}
         for a in dict.fromkeys(r['attn'] for r in res['decode']):
             rr = sorted((r for r in res['decode'] if r['attn'] == a), key=lambda r: r['length'])
@@ -1090,7 +1217,11 @@ def build_parser():
     r.add_argument('--fidelity', action='store_true', help='attention fidelity vs softmax, with figures')
     r.add_argument('--bench', nargs='?', const='all', metavar='WHAT',
                    help='one of ' + ', '.join(BENCH_CHOICES) + ', or a comma-separated list')
-    p.add_argument('--ckpt', help='checkpoint from train.py/convert.py, HF folder or hub name')
+    r.add_argument('--lln', action='store_true', help='LLN Fig. 2: entropy and spectral gap vs temperature, '
+                   'Gaussian q, k (no --ckpt)')
+    p.add_argument('--ckpt', help='checkpoint from train.py/convert.py, HF folder, .gguf file or hub name')
+    p.add_argument('--tokenizer', help="a HF folder or .gguf file whose tokenizer replaces the model's own (e.g. "
+                   'for old checkpoints that carry none)')
     p.add_argument('--data', help='input data (see each report)')
     p.add_argument('--out_dir', default='out/eval', help='where JSON (and PNG) results go')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
@@ -1119,11 +1250,18 @@ def build_parser():
     p.add_argument('--decode_layers', type=int, default=1)
     p.add_argument('--decode_heads', type=int, default=2)
     p.add_argument('--decode_window', type=int, default=256, help='bench decode: steps per median')
+    p.add_argument('--decode_linear', default='generate', choices=['generate', 'prefill'],
+                   help='bench decode: how the linear maps reach length L (generate every token, or prefill to '
+                        'L - window then time window decode steps, as --decode_softmax prefill does)')
     p.add_argument('--decode_softmax', default='prefill', choices=['prefill', 'generate'],
                    help='bench decode: build the softmax KV cache for each length by prefill, or generate it')
     p.add_argument('--threads', type=int, default=0, help='bench: torch threads (0 = torch default)')
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--repeats', type=int, default=3)
+    p.add_argument('--lln_head_dim', type=int, default=64, help='lln: head dimension of the Gaussian q, k')
+    p.add_argument('--lln_tokens', type=int, default=256, help='lln: tokens per sequence')
+    p.add_argument('--lln_grid', default='0.25,0.5,1,1.5,2,2.5,3,3.5,4,5,6', help='lln: temperatures sigma^2')
+    p.add_argument('--lln_seeds', type=int, default=8, help='lln: independent sequences (from --seed)')
     return p
 
 
@@ -1138,7 +1276,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     try:
         res = {'ppl': report_ppl, 'glue': report_glue, 'rouge': report_rouge, 'fidelity': report_fidelity,
-               'bench': report_bench}[report](args)
+               'bench': report_bench, 'lln': report_lln}[report](args)
     except EvalError as e:
         print(f'eval.py: error: {e}', file=sys.stderr)
         return 2

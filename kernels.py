@@ -85,7 +85,7 @@ except Exception:  # pragma: no cover - triton missing or broken
 # runs (i.e. before this module is imported).
 INTERPRET = HAS_TRITON and os.environ.get('TRITON_INTERPRET', '0') == '1'
 
-DEFAULT_EPS = 1e-6
+DEFAULT_EPS = 1e-20  # as attention.EPS: only guards 0 / 0 (a tiny eps keeps small but real denominators exact)
 DEFAULT_CHUNK = 64   # BLOCK_T; 32 when F > 128 (register budget, see _blocks)
 
 

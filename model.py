@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import tokenizer as tokenizer_lib
 from attention import ATTN_CHOICES, Attention, state_nbytes
 
 FAMILIES = ('gpt2', 'llama', 'bert')
@@ -59,6 +60,7 @@ class GPTConfig:
     attn: str = 'softmax'
     window: int = 0
     diag_block: int = 0
+    window_combine: str = 'joint'  # window hybrid: 'joint' (one normalisation) or 'mix' (LoLCATs workshop Eq. 8)
     impl: str = 'chunked'
     attn_options: dict = field(default_factory=dict)  # feature-map options, e.g. {'feature_dim': 64}
     # Llama RoPE scaling as in HF `rope_parameters` / `rope_scaling` (None = plain RoPE);
@@ -166,7 +168,7 @@ def apply_rope(x, cos, sin):
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
-def make_core(config, attn=None, window=None, diag_block=None, impl=None, options=None):
+def make_core(config, attn=None, window=None, diag_block=None, impl=None, options=None, window_combine=None):
     """The attention core of one layer (an attention.Attention)."""
     attn = config.attn if attn is None else attn
     if attn not in ATTN_CHOICES:
@@ -177,7 +179,9 @@ def make_core(config, attn=None, window=None, diag_block=None, impl=None, option
     return Attention(attn, config.head_dim, config.n_head, causal=config.causal,
                      window=config.window if window is None else window,
                      diag_block=config.diag_block if diag_block is None else diag_block,
-                     impl=config.impl if impl is None else impl, **options)
+                     impl=config.impl if impl is None else impl,
+                     window_combine=config.window_combine if window_combine is None else window_combine,
+                     kv_groups=config.n_head // config.n_kv_head, **options)
 
 
 class ShortConv(nn.Module):
@@ -326,9 +330,10 @@ class GPT(nn.Module):
             if config.tie_embeddings:
                 self.lm_head.weight = self.transformer.wte.weight
         self._inv_freq = {}  # device -> RoPE inverse frequencies, float32 (not a buffer: .to(bf16) must not round it)
+        self.tokenizer = None  # a tokenizer.py tokenizer (from_pretrained / checkpoints set it), or None
         # per-layer attention settings (what set_attention may change layer by layer)
         self.layer_specs = [self._spec(config.attn, config.window, config.diag_block, config.impl,
-                                       config.attn_options) for _ in range(config.n_layer)]
+                                       config.attn_options, config.window_combine) for _ in range(config.n_layer)]
         # init (nanoGPT); the attention cores keep their own initialisation (e.g. identity feature maps)
         for name, module in self.named_modules():
             if '.core' not in name and not name.endswith('core'):
@@ -338,9 +343,15 @@ class GPT(nn.Module):
                 torch.nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
 
     @staticmethod
-    def _spec(attn, window, diag_block, impl, options):
+    def _spec(attn, window, diag_block, impl, options, window_combine='joint'):
         return dict(attn=attn, window=int(window), diag_block=int(diag_block), impl=impl,
-                    options=dict(options or {}))
+                    options=dict(options or {}), window_combine=window_combine)
+
+    @staticmethod
+    def spec_from_dict(s):
+        """A saved per-layer spec in the current form (files written before window_combine existed are 'joint')."""
+        return GPT._spec(s['attn'], s['window'], s['diag_block'], s['impl'], s['options'],
+                         s.get('window_combine', 'joint'))
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -363,10 +374,11 @@ class GPT(nn.Module):
         """The attention.Attention core of every layer, in layer order."""
         return [block.attn.core for block in self.transformer.h]
 
-    def set_attention(self, attn, layers=None, window=0, diag_block=0, **map_options):
+    def set_attention(self, attn, layers=None, window=0, diag_block=0, window_combine='joint', **map_options):
         """Replace the attention core of `layers` (default: all), keeping q/k/v/o and everything else.
         `map_options` go to the feature map (e.g. feature_dim=64); `impl=` picks the linear-attention
-        implementation (default config.impl). Changing all layers also updates the config."""
+        implementation (default config.impl); window_combine 'joint' or 'mix' the window hybrid's form
+        (attention.combine_window_linear). Changing all layers also updates the config."""
         n = self.config.n_layer
         if layers is None:
             layers = list(range(n))
@@ -381,12 +393,13 @@ class GPT(nn.Module):
         impl = map_options.pop('impl', self.config.impl)
         ref = self.transformer.h[0].attn.q_proj.weight
         for i in layers:
-            core = make_core(self.config, attn, window, diag_block, impl, map_options)
+            core = make_core(self.config, attn, window, diag_block, impl, map_options, window_combine)
             self.transformer.h[i].attn.core = core.to(ref.device)
-            self.layer_specs[i] = self._spec(attn, window, diag_block, impl, map_options)
+            self.layer_specs[i] = self._spec(attn, window, diag_block, impl, map_options, window_combine)
         if sorted(set(layers)) == list(range(n)):
             self.config.attn, self.config.window, self.config.diag_block = attn, window, diag_block
             self.config.impl, self.config.attn_options = impl, dict(map_options)
+            self.config.window_combine = window_combine
         return self
 
     def _apply_layer_specs(self, specs):
@@ -394,10 +407,10 @@ class GPT(nn.Module):
         if len(specs) != self.config.n_layer:
             raise ValueError(f"{len(specs)} layer attention specs for a {self.config.n_layer}-layer model")
         for i, s in enumerate(specs):
-            s = self._spec(s['attn'], s['window'], s['diag_block'], s['impl'], s['options'])
+            s = self.spec_from_dict(s)
             if s != self.layer_specs[i]:
                 self.set_attention(s['attn'], layers=[i], window=s['window'], diag_block=s['diag_block'],
-                                   impl=s['impl'], **s['options'])
+                                   window_combine=s['window_combine'], impl=s['impl'], **s['options'])
 
     # ---- forward ---------------------------------------------------------------
 
@@ -584,14 +597,17 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_dir, **overrides):
         """Load a HuggingFace GPT-2 / Llama / BERT checkpoint from a local folder (config.json +
         model.safetensors, sharded model.safetensors.index.json, or pytorch_model.bin) or from the hub by
-        name (needs internet, e.g. 'gpt2', 'bert-base-uncased'). A path to one of our own checkpoint files
-        (save_checkpoint) also works. Overrides are GPTConfig fields, e.g. attn='hedgehog', window=64,
-        attn_options={'feature_dim': 64}, num_labels=2, dropout=0.1, block_size=256.
+        name (needs internet, e.g. 'gpt2', 'bert-base-uncased'). A llama.cpp .gguf file (load_gguf) and one of
+        our own checkpoint files (save_checkpoint) also work. Overrides are GPTConfig fields, e.g.
+        attn='hedgehog', window=64, attn_options={'feature_dim': 64}, num_labels=2, dropout=0.1, block_size=256.
         Every checkpoint key and shape is checked; the new attention parameters (feature maps etc.,
-        inside each layer's `core`) are the only parameters allowed to be absent."""
+        inside each layer's `core`) are the only parameters allowed to be absent. `model.tokenizer` is the
+        checkpoint's tokenizer (a HF folder's tokenizer files, the GGUF vocabulary, our checkpoint's) or None."""
         bad = sorted(set(overrides) - {f.name for f in fields(GPTConfig)})
         if bad:
             raise ValueError(f"unknown override(s) {bad}; GPTConfig fields are {[f.name for f in fields(GPTConfig)]}")
+        if os.path.isfile(name_or_dir) and str(name_or_dir).endswith('.gguf'):
+            return load_gguf(name_or_dir, **overrides)
         if os.path.isfile(name_or_dir):
             return _load_own_checkpoint(name_or_dir, overrides)[0]
         folder = _resolve_hf_folder(name_or_dir)
@@ -605,6 +621,8 @@ class GPT(nn.Module):
         model = cls(config)
         tensors = _read_hf_tensors(folder)
         _load_hf_state(model, tensors, name_or_dir)
+        if tokenizer_lib.has_tokenizer_files(folder):
+            model.tokenizer = tokenizer_lib.HFTokenizer.from_folder(folder)
         return model
 
 
@@ -680,9 +698,10 @@ def _resolve_hf_folder(name_or_dir):
         raise FileNotFoundError(f"no such checkpoint folder or file: {name_or_dir}")
     try:
         from huggingface_hub import snapshot_download
-        folder = snapshot_download(name_or_dir, allow_patterns=['config.json', '*.safetensors', '*.json'])
+        files = ['config.json', '*.json', 'vocab.txt', 'merges.txt', 'tokenizer.model']  # config + tokenizer
+        folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.safetensors'])
         if not glob.glob(os.path.join(folder, '*.safetensors')):
-            folder = snapshot_download(name_or_dir, allow_patterns=['config.json', '*.bin', '*.json'])
+            folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.bin'])
     except Exception as e:  # offline, unknown repo, gated model, ...
         raise RuntimeError(
             f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: {e}). "
@@ -847,6 +866,13 @@ def _load_hf_state(model, tensors, source):
     # a classification head requested on a checkpoint that has none is new (randomly initialised)
     if cfg.family == 'bert' and cfg.num_labels > 0 and 'classifier.weight' not in tensors:
         allowed_new |= {'classifier.weight', 'classifier.bias'}
+    # a BERT saved without its pooler (BertModel(add_pooling_layer=False), token-classification and masked-LM
+    # checkpoints): encode() does not need it; classify() gets a newly initialised pooler that finetuning trains
+    if cfg.family == 'bert' and not any(k.startswith('pooler.') for k in tensors):
+        allowed_new |= {'pooler.weight', 'pooler.bias'}
+        warnings.warn(f"{source}: the checkpoint has no pooler (pooler.dense.*); loaded without it: encode() is "
+                      "unaffected, the pooler used by classify() is newly initialised (N(0, 0.02)) and trains with "
+                      "the classifier")
     ignored, problems = [], []
     unmapped = sorted(expected - set(kmap))
     if unmapped:  # a bug in the key map, not in the checkpoint
@@ -886,6 +912,137 @@ def _load_hf_state(model, tensors, source):
 
 
 # -----------------------------------------------------------------------------
+# GGUF files (llama.cpp): the config from the metadata, the tensors dequantised by gguf's own reader
+
+GGUF_TENSOR_TYPES = ('F32', 'F16', 'BF16', 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1',
+                     'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K')
+# GGUF tensor names -> HF Llama names: blk.N.<x>.weight -> model.layers.N.<y>.weight, and the three outside layers
+_GGUF_LAYER_NAMES = {'attn_norm': 'input_layernorm', 'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj',
+                     'attn_v': 'self_attn.v_proj', 'attn_output': 'self_attn.o_proj',
+                     'ffn_norm': 'post_attention_layernorm', 'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj',
+                     'ffn_down': 'mlp.down_proj'}
+_GGUF_TOP_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
+
+
+def gguf_to_hf_name(name, reverse=False):
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (reverse=True: back); names it does
+    not know come back unchanged."""
+    head, _, suffix = name.rpartition('.')
+    if not reverse:
+        parts = head.split('.')
+        if len(parts) == 3 and parts[0] == 'blk' and parts[2] in _GGUF_LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+        return f"{_GGUF_TOP_NAMES[head]}.{suffix}" if head in _GGUF_TOP_NAMES else name
+    layer, top = ({v: k for k, v in d.items()} for d in (_GGUF_LAYER_NAMES, _GGUF_TOP_NAMES))
+    if head.startswith('model.layers.'):
+        i, _, rest = head[len('model.layers.'):].partition('.')
+        return f"blk.{i}.{layer[rest]}.{suffix}" if rest in layer else name
+    return f"{top[head]}.{suffix}" if head in top else name
+
+
+def gguf_config_to_kwargs(reader, path):
+    """GGUF metadata (a gguf.GGUFReader) -> GPTConfig keyword arguments. Architecture 'llama' only."""
+    def get(key, default=...):
+        f = reader.fields.get(key)
+        if f is None and default is ...:
+            raise ValueError(f"{path}: the GGUF metadata has no {key!r}")
+        return default if f is None else f.contents()
+    arch = get('general.architecture')
+    if arch != 'llama':
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: 'llama' (Llama 2/3, "
+                         "TinyLlama, SmolLM2, ...)")
+    n_embd, n_head = get('llama.embedding_length'), get('llama.attention.head_count')
+    n_kv_head, head_dim = get('llama.attention.head_count_kv', n_head), n_embd // n_head
+    if not isinstance(n_kv_head, int):
+        raise ValueError(f"{path}: per-layer head_count_kv {n_kv_head} is not supported (one value for all layers)")
+    for key in ('rope.dimension_count', 'attention.key_length', 'attention.value_length'):
+        if get('llama.' + key, head_dim) != head_dim:
+            raise ValueError(f"{path}: llama.{key} = {get('llama.' + key)} is not head_dim = embedding_length / "
+                             f"head_count = {head_dim}; only RoPE on the whole head is supported")
+    names = {t.name for t in reader.tensors}
+    if 'rope_freqs.weight' in names:
+        raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight: llama.cpp's form of Llama 3.1 "
+                         "rope scaling) are not supported; supported RoPE scaling: none, linear")
+    scaling = get('llama.rope.scaling.type', 'none')
+    if scaling not in ('none', 'linear'):
+        raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported; supported: none, linear")
+    if scaling == 'linear':
+        scaling = {'rope_type': 'linear', 'factor': float(get('llama.rope.scaling.factor'))}
+    else:
+        scaling = None
+    tokens = reader.fields.get('tokenizer.ggml.tokens')
+    vocab = get('llama.vocab_size', None if tokens is None else len(tokens.data))
+    if vocab is None:
+        raise ValueError(f"{path}: the GGUF metadata has neither llama.vocab_size nor tokenizer.ggml.tokens")
+    return dict(family='llama', vocab_size=vocab, block_size=get('llama.context_length', 2048),
+                n_layer=get('llama.block_count'), n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                intermediate_size=get('llama.feed_forward_length'), bias='blk.0.attn_q.bias' in names,
+                norm_eps=float(get('llama.attention.layer_norm_rms_epsilon')),
+                rope_theta=float(get('llama.rope.freq_base', 10000.0)), rope_scaling=scaling,
+                tie_embeddings='output.weight' not in names)
+
+
+def unpermute_qk(w, n_heads):
+    """Undo llama.cpp's q/k row order. convert_hf_to_gguf.py's `permute(w, n_head, n_head_kv)` reshapes the
+    rows to (heads, 2, head_dim/2) and swaps the last two axes, so that each head's two RoPE halves interleave
+    (GGML's rope rotates adjacent pairs); this goes back to HF's rotate_half layout (halves in blocks).
+    w: (n_heads * head_dim, ...) with n_heads = n_head for q, n_kv_head for k."""
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _read_gguf_tensors(reader, model, path):
+    """{HF name: float32 tensor} of a GGUF file, checked against `model` first: every name and shape (reported
+    with GGUF names, as _raise_key_errors does for HF files) and every tensor type."""
+    import gguf
+    import numpy as np
+    cfg = model.config
+    own = {k: v for k, v in model.state_dict().items() if not _is_core_name(k)}
+    if cfg.tie_embeddings:
+        own.pop('lm_head.weight', None)
+    kmap = _hf_key_map(cfg)
+    expected = {gguf_to_hf_name(kmap[k][0], reverse=True): own[k].shape for k in own}
+    found = {t.name: t for t in reader.tensors}
+    problems = [f"{n}: file {tuple(reversed(found[n].shape.tolist()))} vs model {tuple(s)}"
+                for n, s in expected.items() if n in found and tuple(reversed(found[n].shape.tolist())) != tuple(s)]
+    _raise_key_errors(f"cannot load {path!r} into a llama model", set(expected) - set(found),
+                      set(found) - set(expected), problems, where=' in the GGUF file')
+    supported = [getattr(gguf.GGMLQuantizationType, t) for t in GGUF_TENSOR_TYPES]
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported types: "
+                             f"{', '.join(GGUF_TENSOR_TYPES)}")
+        w = np.require(gguf.quants.dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
+        w = torch.from_numpy(w.reshape(tuple(reversed(t.shape.tolist()))))   # (out, in): torch Linear layout
+        if t.name.startswith('blk.') and t.name.split('.')[2] in ('attn_q', 'attn_k'):
+            w = unpermute_qk(w, cfg.n_head if '.attn_q.' in t.name else cfg.n_kv_head)
+        out[gguf_to_hf_name(t.name)] = w
+    return out
+
+
+def load_gguf(path, **overrides):
+    """A llama.cpp GGUF file -> GPT (family 'llama'): hyperparameters from the metadata, every tensor dequantised
+    to float32 by gguf's reader (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K), q/k rows put back in
+    HF order (unpermute_qk). model.tokenizer is the file's byte-level BPE vocabulary (tokenizer.BPETokenizer); a
+    vocabulary it cannot read (SentencePiece) leaves it None with a warning, so that using the model for text
+    asks for a tokenizer. `overrides` as in GPT.from_pretrained."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    cfg_kwargs = gguf_config_to_kwargs(reader, path)
+    if overrides.get('family', 'llama') != 'llama':
+        raise ValueError(f"family={overrides['family']!r} does not match the GGUF file ('llama')")
+    cfg_kwargs.update(overrides)
+    model = GPT(GPTConfig(**cfg_kwargs))
+    _load_hf_state(model, _read_gguf_tensors(reader, model, path), path)
+    try:
+        model.tokenizer = tokenizer_lib.BPETokenizer.from_gguf(reader)
+    except tokenizer_lib.TokenizerError as e:
+        warnings.warn(f"{path}: {e}; model.tokenizer is None (give one, e.g. --tokenizer <HF folder>)")
+    return model
+
+
+# -----------------------------------------------------------------------------
 # our own checkpoints
 
 def _atomic_write(path, write_fn):
@@ -919,9 +1076,11 @@ def _meta(model):
 def save_checkpoint(path, model, **extra):
     """Save config + weights (+ extra, e.g. iter_num, optimizer state) atomically.
     path ending in .safetensors: a safetensors file whose header holds the config and extra (extra must be
-    JSON-serialisable); any other path: torch.save of {'meta', 'model', 'extra'} (extra may hold tensors)."""
+    JSON-serialisable); any other path: torch.save of {'meta', 'model', 'extra'} (extra may hold tensors).
+    meta['tokenizer'] is the spec of model.tokenizer (tokenizer.py), so that the file carries it."""
     tensors = _model_tensors(model)
     meta = _meta(model)
+    meta['tokenizer'] = model.tokenizer.to_spec() if model.tokenizer is not None else None
     if str(path).endswith('.safetensors'):
         from safetensors.torch import save_file
         try:
@@ -974,7 +1133,7 @@ def _model_tensors_live(model):
     return {k: v.data for k, v in sd.items()}
 
 
-_ATTN_FIELDS = ('attn', 'window', 'diag_block', 'impl', 'attn_options')
+_ATTN_FIELDS = ('attn', 'window', 'diag_block', 'window_combine', 'impl', 'attn_options')
 
 
 def _load_own_checkpoint(path, overrides=None, map_location='cpu'):
@@ -991,6 +1150,8 @@ def _load_own_checkpoint(path, overrides=None, map_location='cpu'):
         model._apply_layer_specs(meta.get('layers') or model.layer_specs)
         skip = ()
     _strict_load(model, tensors, f"checkpoint {path}", skip)
+    if meta.get('tokenizer'):
+        model.tokenizer = tokenizer_lib.load_tokenizer(meta['tokenizer'])
     return model, extra
 
 
@@ -1022,9 +1183,10 @@ def is_new_parameter(name):
 def save_new_parameters(path, model, base_model_name, include=None, **extra):
     """Save only the parameters a conversion added (default: everything inside the attention cores;
     pass include=lambda name: ... to add e.g. LoRA weights) to folder `path`:
-    path/new_parameters.safetensors and path/manifest.json = {base_model, config, layers, parameters, extra}.
-    base_model_name is what load_new_parameters rebuilds the base from (a hub name, a HF folder, or one of
-    our checkpoint files). Both files are written atomically (manifest last)."""
+    path/new_parameters.safetensors and path/manifest.json = {base_model, config, layers, parameters, extra,
+    tokenizer}. base_model_name is what load_new_parameters rebuilds the base from (a hub name, a HF folder, or
+    one of our checkpoint files). model.tokenizer goes to path/tokenizer_spec.json, named with its fingerprint
+    in the manifest. Files are written atomically (manifest last)."""
     from safetensors.torch import save_file
     include = include or is_new_parameter
     tensors = _model_tensors(model, include)
@@ -1036,6 +1198,7 @@ def save_new_parameters(path, model, base_model_name, include=None, **extra):
     json.dumps(manifest)  # fail before writing anything if extra is not JSON-serialisable
     os.makedirs(path, exist_ok=True)
     _atomic_write(os.path.join(path, NEW_PARAMS_FILE), lambda tmp: save_file(tensors, tmp))
+    manifest['tokenizer'] = tokenizer_lib.save_spec(path, model.tokenizer)
     _atomic_write(os.path.join(path, MANIFEST_FILE),
                   lambda tmp: open(tmp, 'w').write(json.dumps(manifest, indent=2)))
 
@@ -1050,7 +1213,8 @@ def load_new_parameters(path, model=None, map_location='cpu'):
     as the manifest; add LoRA adapters etc. before loading) and return the model. With model=None the base
     model named in the manifest is loaded first (GPT.from_pretrained) and given the manifest's attention.
     Errors name missing keys (new parameters of the model absent from the file), unexpected keys (in the
-    file but not in the model) and shape mismatches."""
+    file but not in the model) and shape mismatches. The saved tokenizer is attached (model.tokenizer); a base
+    whose own tokenizer is not the one saved is an error."""
     from safetensors.torch import load_file
     manifest = read_manifest(path)
     tensors = load_file(os.path.join(path, NEW_PARAMS_FILE), device=str(map_location))
@@ -1058,9 +1222,9 @@ def load_new_parameters(path, model=None, map_location='cpu'):
         raise ValueError(f"{path}: {NEW_PARAMS_FILE} does not hold the parameters its manifest lists")
     if model is None:
         cfg = manifest['config']
-        model = GPT.from_pretrained(manifest['base_model'], **{k: cfg[k] for k in _ATTN_FIELDS})
+        model = GPT.from_pretrained(manifest['base_model'], **{k: cfg[k] for k in _ATTN_FIELDS if k in cfg})
         model._apply_layer_specs(manifest['layers'])
-    specs = [GPT._spec(s['attn'], s['window'], s['diag_block'], s['impl'], s['options']) for s in manifest['layers']]
+    specs = [GPT.spec_from_dict(s) for s in manifest['layers']]
     if specs != model.layer_specs:
         diff = [i for i, (a, b) in enumerate(zip(specs, model.layer_specs)) if a != b]
         if len(specs) != len(model.layer_specs):
@@ -1080,7 +1244,7 @@ def load_new_parameters(path, model=None, map_location='cpu'):
             msg.append(f"unexpected keys: {_fmt(unexpected)} (add adapters such as LoRA to the model first)")
         raise ValueError('\n  '.join(msg))
     _strict_load_subset(own, tensors, path)
-    return model
+    return tokenizer_lib.attach_saved(path, manifest.get('tokenizer'), model)
 
 
 def _strict_load_subset(own, tensors, what):

@@ -49,7 +49,9 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import attention
+import tokenizer as tokenizer_lib
 from model import GPT, GPTConfig, _read_own_checkpoint, hf_config_to_kwargs, load_checkpoint, save_checkpoint
+from tokenizer import ByteTokenizer, TiktokenTokenizer, get_tokenizer  # noqa: F401 (train.get_tokenizer etc.)
 
 TASKS = ('ar', 'mqar', 'text', 'glue')
 TEST_SEED_OFFSET = 1_000_003   # AR test sequences use seed + this: a stream disjoint from the train seed's
@@ -74,7 +76,8 @@ class TrainConfig:
     label_repeats: bool = True    # AR training data: also label every context key that repeats an earlier one
     val_fraction: float = 0.1     # text: the held-out tail used for validation (local files)
     # model
-    init_from: str = 'scratch'    # scratch | a HF folder or hub name | one of our checkpoint files
+    init_from: str = 'scratch'    # scratch | a HF folder or hub name | a .gguf file | one of our checkpoint files
+    tokenizer: str = ''           # text/glue: a HF folder or .gguf file whose tokenizer replaces the model's own
     family: str = 'llama'         # gpt2 | llama | bert (scratch models; glue defaults to bert)
     n_layer: int = 2
     n_head: int = 4
@@ -88,6 +91,7 @@ class TrainConfig:
     feature_dim: int = 0          # feature-map size for maps that have one (0 = the map's default)
     temperature: float = 1.0      # the exp map's t
     window: int = 0               # > 0: sliding-window softmax + linear hybrid (LoLCATs)
+    window_combine: str = 'joint' # the window hybrid's form: joint (one normalisation) | mix (LoLCATs workshop Eq. 8)
     diag_block: int = 0           # > 0: block-diagonal softmax + linear (LLN+Diag)
     impl: str = 'chunked'         # linear attention implementation: quadratic | chunked | recurrent
     # optimisation
@@ -113,6 +117,7 @@ class TrainConfig:
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
     dtype: str = 'auto'           # auto (bf16 on CUDA if supported, else fp16; fp32 on CPU) | float32 | bfloat16 | float16
     compile: bool = False         # torch.compile the model (off by default, and slow to start on CPU)
+    threads: int = 0              # torch CPU threads (0 = torch's default), as convert.py and eval.py have
     compare: str = ''             # comma-separated maps: train one model per map, same budget and seeds, print a table
 
 
@@ -157,7 +162,7 @@ def build_parser():
                            help=argparse.SUPPRESS)
         else:
             choices = {'task': TASKS, 'family': ('gpt2', 'llama', 'bert'),
-                       'impl': attention.IMPLS}.get(f.name)
+                       'impl': attention.IMPLS, 'window_combine': attention.WINDOW_COMBINES}.get(f.name)
             p.add_argument(name, type=type(default), default=default, choices=choices, metavar=f.name.upper(),
                            help=(helps.get(f.name) or f.name) + (
                                f"; one of: {', '.join(attention.ATTN_CHOICES)}" if f.name == 'attn' else ''))
@@ -267,52 +272,25 @@ def ar_datasets(cfg):
 # -----------------------------------------------------------------------------
 # text: tokenizer, loading, batches
 
-class ByteTokenizer:
-    """UTF-8 bytes 0..255 plus an end-of-text token 256."""
-    name = 'byte'
-    vocab_size = 257
-    eot = 256
-
-    def encode(self, text):
-        return list(text.encode('utf-8'))
-
-    def encode_array(self, text):
-        return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int64)
-
-    def decode(self, ids):
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode('utf-8', errors='replace')
+# (ByteTokenizer, TiktokenTokenizer and get_tokenizer live in tokenizer.py; imported above)
 
 
-class TiktokenTokenizer:
-    """tiktoken's GPT-2 BPE."""
-    name = 'tiktoken-gpt2'
-
-    def __init__(self, enc):
-        self.enc = enc
-        self.vocab_size = enc.n_vocab
-        self.eot = enc.eot_token
-
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-
-    def encode_array(self, text):
-        return np.array(self.encode(text), dtype=np.int64)
-
-    def decode(self, ids):
-        return self.enc.decode([int(i) for i in ids])
-
-
-def get_tokenizer(verbose=True):
-    """tiktoken's GPT-2 encoding when it can be loaded (installed and its files cached or downloadable),
-    else a byte-level tokenizer. Prints which one runs."""
-    try:
-        import tiktoken
-        tok = TiktokenTokenizer(tiktoken.get_encoding('gpt2'))
-        why = ''
-    except Exception as e:  # not installed, or offline without the cached BPE files
-        tok, why = ByteTokenizer(), f" (tiktoken gpt2 unavailable: {type(e).__name__})"
+def run_tokenizer(cfg, model=None, verbose=True):
+    """The tokenizer of a text or GLUE run (None for associative recall): --tokenizer if given; for a model
+    trained from scratch (model=None) the project tokenizer (get_tokenizer: tiktoken gpt2, else bytes); else the
+    model's own (its checkpoint's, HF folder's or GGUF file's), or the project tokenizer matching its vocab_size.
+    Anything else -- or a tokenizer with more ids than the model's vocabulary -- is an error."""
+    if cfg.task not in ('text', 'glue'):
+        return None
+    if model is None:
+        if not cfg.tokenizer:
+            return get_tokenizer(verbose=verbose and cfg.task == 'text')
+        tok = tokenizer_lib.load_tokenizer(cfg.tokenizer)
+    else:
+        tok = tokenizer_lib.resolve(model, cfg.tokenizer or None)
     if verbose:
-        print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}{why}")
+        src = '--tokenizer' if cfg.tokenizer else "the model's" if model.tokenizer is tok else 'by vocab_size'
+        print(f"tokenizer: {tok.name}, vocab {tok.vocab_size} ({src})")
     return tok
 
 
@@ -571,54 +549,21 @@ def glue_metric(task, preds, labels):
 
 
 class GlueEncoder:
-    """Turns (text_a, text_b) into token ids / token types / attention masks for a classifier.
-    kind 'hf': a transformers tokenizer from the model folder; 'tiktoken' / 'byte': [eot] a [eot] b [eot]
-    (eot doubles as CLS and SEP), token type 1 for b."""
+    """Turns (text_a, text_b) into (token ids, token types) for a classifier with the model's tokenizer
+    (tokenizer.py encode_pair): a BERT tokenizer gives [CLS] a [SEP] b [SEP]; the others [eot] a [eot] b [eot]
+    (eot doubles as CLS and SEP), token type 1 for b. `tok`: a tokenizer; 'scratch' (or '') for the project
+    tokenizer; or a HF folder / .gguf file to load one from."""
 
-    def __init__(self, init_from, seq_len, verbose=True):
-        self.seq_len = seq_len
-        self.hf = None
-        folder = init_from if init_from not in ('', 'scratch') and os.path.isdir(init_from) else None
-        has_tok = folder is not None and any(os.path.exists(os.path.join(folder, f))
-                                             for f in ('tokenizer.json', 'vocab.txt', 'tokenizer_config.json'))
-        if has_tok:
-            try:
-                from transformers import AutoTokenizer
-                self.hf = AutoTokenizer.from_pretrained(folder)
-                self.name = f"hf:{type(self.hf).__name__}"
-                self.vocab_size = len(self.hf)
-            except Exception as e:  # transformers missing or tokenizer unreadable
-                print(f"glue tokenizer: could not load the tokenizer in {folder} ({type(e).__name__}: {e}); "
-                      f"falling back")
-        if self.hf is None:
-            self.tok = get_tokenizer(verbose=False)
-            self.name, self.vocab_size, self.eot = self.tok.name, self.tok.vocab_size, self.tok.eot
-            if folder is not None:
-                print(f"glue tokenizer: no usable tokenizer in {folder}: {self.name} ids fed to a pretrained "
-                      f"model (expect poor results; save the model's tokenizer into the folder)")
+    def __init__(self, tok, seq_len, verbose=True):
+        if isinstance(tok, str):
+            tok = get_tokenizer(verbose=False) if tok in ('', 'scratch') else tokenizer_lib.load_tokenizer(tok)
+        self.tok, self.seq_len = tok, seq_len
+        self.name, self.vocab_size = tok.name, tok.vocab_size
         if verbose:
             print(f"glue tokenizer: {self.name}, vocab {self.vocab_size}")
 
     def encode(self, a, b=None):
-        if self.hf is not None:
-            enc = self.hf(a, b, truncation=True, max_length=self.seq_len)
-            ids = list(enc['input_ids'])
-            tt = list(enc.get('token_type_ids') or [0] * len(ids))
-            return ids, tt
-        ia = self.tok.encode(a)
-        ib = self.tok.encode(b) if b is not None else []
-        room = self.seq_len - (3 if b is not None else 2)
-        while len(ia) + len(ib) > room:  # truncate the longer text first (as HF 'longest_first')
-            if len(ia) >= len(ib):
-                ia = ia[:-1]
-            else:
-                ib = ib[:-1]
-        ids = [self.eot] + ia + [self.eot]
-        tt = [0] * len(ids)
-        if b is not None:
-            ids += ib + [self.eot]
-            tt += [1] * (len(ib) + 1)
-        return ids, tt
+        return self.tok.encode_pair(a, b, self.seq_len)
 
 
 def collate_glue(encoded, labels, pad_id=0):
@@ -763,7 +708,7 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
     """The GPT for this run (scratch or --init_from), with the requested attention."""
     name, extra = parse_attn_spec(cfg.attn)
     attn_kw = dict(attn=name, window=cfg.window, diag_block=cfg.diag_block, impl=cfg.impl,
-                   attn_options=map_options(cfg, name, extra))
+                   window_combine=cfg.window_combine, attn_options=map_options(cfg, name, extra))
     if cfg.init_from in ('', 'scratch'):
         family = 'bert' if cfg.task == 'glue' and 'family' not in explicit else cfg.family
         gcfg = GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
@@ -773,7 +718,7 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
                          short_conv=0 if family == 'bert' else cfg.short_conv, **attn_kw)
         return GPT(gcfg)
     overrides = {'dropout': cfg.dropout}
-    if explicit & {'attn', 'window', 'diag_block', 'impl', 'feature_dim', 'temperature'}:
+    if explicit & {'attn', 'window', 'diag_block', 'window_combine', 'impl', 'feature_dim', 'temperature'}:
         overrides.update(attn_kw)   # otherwise keep the checkpoint's own attention
     if num_labels and _init_family(cfg.init_from) == 'bert':
         overrides['num_labels'] = num_labels
@@ -781,7 +726,10 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
 
 
 def _init_family(init_from):
-    """The model family of --init_from: one of our checkpoint files, a HF folder, or a hub name (a guess)."""
+    """The model family of --init_from: one of our checkpoint files, a HF folder, a GGUF file (llama) or a hub
+    name (a guess)."""
+    if os.path.isfile(init_from) and init_from.endswith('.gguf'):
+        return 'llama'
     if os.path.isfile(init_from):
         return _read_own_checkpoint(init_from)[0]['config']['family']
     cfg_file = os.path.join(init_from, 'config.json')
@@ -794,9 +742,12 @@ def _init_family(init_from):
 class Task:
     """The data side of a run: training micro-batches, estimate_loss batches and final metrics."""
 
-    def __init__(self, cfg, verbose=True):
+    def __init__(self, cfg, verbose=True, tokenizer=None):
+        """tokenizer: the run's tokenizer for text and GLUE (run_tokenizer; default the project tokenizer)."""
         self.cfg = cfg
         self.tokenizer = None
+        if cfg.task in ('text', 'glue') and tokenizer is None:
+            tokenizer = get_tokenizer(verbose=verbose and cfg.task == 'text')
         self.num_labels = 0
         if cfg.task in ('ar', 'mqar'):
             (self.x_train, self.y_train), (self.x_test, self.y_test) = ar_datasets(cfg)
@@ -804,7 +755,7 @@ class Task:
             self.n_train = len(self.x_train)
             self.tokens_per_example = cfg.seq_len
         elif cfg.task == 'text':
-            tok = get_tokenizer(verbose=verbose)
+            tok = tokenizer
             self.tokenizer = tok.name
             self.train_ids, self.val_ids = text_splits(cfg, tok)
             self.vocab_size = tok.vocab_size if tok.vocab_size < 1000 else (tok.vocab_size + 63) // 64 * 64
@@ -815,7 +766,7 @@ class Task:
         else:
             self.glue_task = glue_task_name(cfg.glue_task)
             self.num_labels = glue_num_labels(self.glue_task)
-            self.enc = GlueEncoder(cfg.init_from, cfg.seq_len, verbose=verbose)
+            self.enc = GlueEncoder(tokenizer, cfg.seq_len, verbose=verbose)
             self.tokenizer = self.enc.name
             self.vocab_size = self.enc.vocab_size
             self.train = load_glue(self.glue_task, cfg.data, 'train')
@@ -965,6 +916,10 @@ def train(cfg, explicit=frozenset(), verbose=True):
         if cfg.grad_accum % world:
             raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a multiple of the {world} processes")
     local_accum = cfg.grad_accum // world
+    if cfg.threads < 0:
+        raise SystemExit(f"error: --threads must be >= 0 (0 = torch's default), got {cfg.threads}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     dtype = resolve_dtype(cfg.dtype, device)
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
@@ -977,16 +932,23 @@ def train(cfg, explicit=frozenset(), verbose=True):
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     log_path = os.path.join(cfg.out_dir, 'log.jsonl')
 
-    task = Task(cfg, verbose=master and verbose)
     torch.manual_seed(cfg.seed)   # the same initial weights on every process
-    extra = {}
+    model, extra = None, {}
     if cfg.resume:
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"error: --resume but there is no checkpoint {ckpt_path}")
         model, extra = load_checkpoint(ckpt_path)
         say(f"resuming from {ckpt_path} at step {extra['iter_num']}")
-    else:
+    elif cfg.init_from not in ('', 'scratch'):   # a pretrained model first: its tokenizer encodes the data
+        num_labels = glue_num_labels(glue_task_name(cfg.glue_task)) if cfg.task == 'glue' else 0
+        model = build_model(cfg, None, num_labels, set(explicit))
+    tok = run_tokenizer(cfg, model, verbose=master and verbose)
+    task = Task(cfg, verbose=master and verbose, tokenizer=tok)
+    if model is None:
+        torch.manual_seed(cfg.seed)
         model = build_model(cfg, task.vocab_size, task.num_labels, set(explicit))
+    if tok is not None:
+        model.tokenizer = tok        # so that ckpt.pt carries the tokenizer
     module = Classifier(model, task.num_labels) if cfg.task == 'glue' else model
     if cfg.task == 'glue' and extra.get('cls_head'):
         module.head.load_state_dict(extra['cls_head'])

@@ -227,20 +227,20 @@ def test_lln_fit_constants():
     assert (al > be).all()
 
 
-def naive_window_hybrid(q, k, v, phi_q, phi_k, w, g, causal):
-    """LoLCATs Eq. 8 written out: one loop over queries, float64."""
+def naive_window_hybrid(q, k, v, phi_q, phi_k, w, gamma, causal):
+    """LoLCATs' joint form (ICLR 2025 Eq. 8 as its official code computes it) written out with loops, float64:
+    window weights gamma exp(s_ij - m_i) (m_i the row's max window score), linear weights phi(q_i).phi(k_j)."""
     q, k, v, pq, pk = (t.double() for t in (q, k, v, phi_q, phi_k))
     T = q.shape[-2]
     y = torch.zeros_like(v)
+    inside = lambda i, j: (i - j < w) if causal else (abs(i - j) < w)  # noqa: E731
     for i in range(T):
+        js = [j for j in range(T) if not (causal and j > i)]
+        s = {j: (q[:, :, i] * k[:, :, j]).sum(-1) / math.sqrt(q.shape[-1]) for j in js if inside(i, j)}
+        m = torch.stack(list(s.values())).amax(0)
         num, den = 0, 0
-        for j in range(T):
-            if causal and j > i:
-                continue
-            if (i - j < w) if causal else (abs(i - j) < w):
-                a = torch.exp((q[:, :, i] * k[:, :, j]).sum(-1) / math.sqrt(q.shape[-1]))
-            else:
-                a = g.double()[None, :] * (pq[:, :, i] * pk[:, :, j]).sum(-1)
+        for j in js:
+            a = gamma.double()[None, :] * torch.exp(s[j] - m) if inside(i, j) else (pq[:, :, i] * pk[:, :, j]).sum(-1)
             num, den = num + a[..., None] * v[:, :, j], den + a[..., None]
         y[:, :, i] = num / den
     return y
@@ -256,7 +256,7 @@ def test_window_hybrid_matches_equation(causal):
     ref = naive_window_hybrid(q, k, v, phi_q, phi_k, 4, torch.sigmoid(core.window_factor.detach()), causal)
     assert rel_err(core(q, k, v).double(), ref) < 1e-5
     assert rel_err((core.weights(q, k) @ v).double(), ref) < 1e-5
-    assert torch.allclose(torch.sigmoid(torch.tensor(0.1)), torch.sigmoid(A.Attention('hedgehog', D, H, window=4).window_factor[0]))
+    assert torch.allclose(A.Attention('hedgehog', D, H, window=4).factor(), torch.full((H,), 0.1))  # official init
 
 
 @pytest.mark.parametrize("name,kw", [('softmax', {})] + [(n, kw) for n in ('hedgehog', 'cosformer')
@@ -343,7 +343,8 @@ def test_metrics():
 
 def test_losses():
     q, k, v = qkv(T=7)
-    phi_q, phi_k = A.make_feature_map('dof', D, H)(q, k)
+    phi_q, phi_k, c_q = A.make_feature_map('dof', D, H).features(q, k)
+    phi_q = phi_q * c_q.exp()[..., None]  # exact features
     exact = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(D))
     approx = phi_q @ phi_k.transpose(-2, -1)
     mask = torch.ones(7, 7).tril().bool()
@@ -369,3 +370,162 @@ def test_bad_input_errors():
         A.linear_attention(q, k, v[:, :, :3])
     with pytest.raises(ValueError, match="bad options"):
         A.make_feature_map('elu', D, H, feature_dim=4)
+
+
+# ----------------------------------------------------------------------------- real-LLM ranges (attention sinks)
+
+ROBUST_MAPS = [('hedgehog', {}), ('hedgehog', {'softmax_dim': False}), ('lolcats', {}),
+               ('lolcats', {'activation': 'exp'}), ('lolcats', {'activation': 'elu'}),
+               ('lolcats', {'activation': 'relu'}), ('performer', {}), ('dof', {}), ('lln', {}),
+               ('exp', {}), ('exp', {'temperature': 2.0})]
+
+
+def big_qk(T=48, D=16, seed=0, sink=True):
+    """Queries and keys with norms up to 30 and |q.k| / sqrt(D) up to 30 (float64, H = 2): random directions
+    and radii, plus (sink=True) a key every query points at (q.k / sqrt(D) = +30 for the largest queries) and
+    its opposite (-30), as attention sinks give in real LLMs."""
+    g = torch.Generator().manual_seed(seed)
+    unit = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    q = unit(torch.randn(1, 2, T, D, generator=g, dtype=torch.float64)) * 30 * torch.rand(1, 2, T, 1, generator=g, dtype=torch.float64)
+    k = unit(torch.randn(1, 2, T, D, generator=g, dtype=torch.float64)) * 30 * torch.rand(1, 2, T, 1, generator=g, dtype=torch.float64)
+    if sink:
+        e = unit(torch.randn(1, 2, 1, D, generator=g, dtype=torch.float64))
+        q = 0.8 * q + 4.0 * e * torch.rand(1, 2, T, 1, generator=g, dtype=torch.float64)  # |q| <= 28
+        k[:, :, 0:1], k[:, :, 5:6] = 30 * e, -30 * e
+    s = (q @ k.transpose(-2, -1)).abs().amax() / math.sqrt(D)
+    if s > 30:
+        q, k = q * (30 / s) ** 0.5, k * (30 / s) ** 0.5
+    assert q.norm(dim=-1).max() <= 30 + 1e-9 and k.norm(dim=-1).max() <= 30 + 1e-9
+    return q, k
+
+
+def exact_log_kernel(fmap, q, k):
+    """log phi(q_i).phi(k_j) in float64 from the map's exact (unshifted) features, via logsumexp for exp maps."""
+    fmap = fmap.double()
+    if fmap.log_domain:
+        u_q, u_k = fmap.log_phi(q, 'q', 0), fmap.log_phi(k, 'k', 0)
+        return torch.logsumexp(u_q[..., :, None, :] + u_k[..., None, :, :], dim=-1)
+    return (fmap.phi(q, 'q', 0) @ fmap.phi(k, 'k', 0).transpose(-2, -1)).log()
+
+
+@pytest.mark.parametrize("name,opts", ROBUST_MAPS)
+@pytest.mark.parametrize("sink", [False, True])
+def test_large_queries_and_keys_match_float64(name, opts, sink):
+    """fp32 outputs of every path equal a float64 evaluation of the exact formula sum_j k_ij v_j / sum_j k_ij
+    (no eps) for |q|, |k| <= 30 and |q.k| / sqrt(D) <= 30: no overflow, no denominator lost against eps."""
+    torch.manual_seed(0)
+    q, k = big_qk(sink=sink)
+    v = torch.randn(1, 2, 48, 16, dtype=torch.float64)
+    fmap = A.make_feature_map(name, 16, 2, **opts).eval()
+    logk = exact_log_kernel(fmap, q, k)
+    for causal in (True, False):
+        if causal:
+            logk_c = logk.masked_fill(~A.causal_mask(48, 48), float('-inf'))
+        ref = torch.softmax(logk_c if causal else logk, -1) @ v
+        phi_q, phi_k = fmap.float()(q.float(), k.float())
+        assert torch.isfinite(phi_q).all() and torch.isfinite(phi_k).all()
+        for impl in A.IMPLS:
+            y = A.linear_attention(phi_q, phi_k, v.float(), causal=causal, impl=impl, chunk_size=16)
+            assert rel_err(y.double(), ref) < 1e-4, (impl, causal, rel_err(y.double(), ref))
+
+
+def naive_window_ref(q, k, v, logk, w, f, causal, combine):
+    """Both window forms written out in float64 from the exact log-kernel: 'joint' (one normalisation, g on
+    the linear term) and 'mix' (s y_window + (1 - s) y_linear, each normalised; window only if no linear key)."""
+    T, D = q.shape[-2], q.shape[-1]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    win = ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
+    lin = (i - j >= w) if causal else ((i - j).abs() >= w)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    f = f.double().view(1, -1, 1, 1)
+    if combine == 'joint':  # window weights gamma exp(s_ij - m_i), m_i the row's max window score
+        m = s.masked_fill(~win, float('-inf')).amax(-1, keepdim=True)
+        logits = torch.where(win, s - m + f.log(), torch.where(lin, logk, torch.tensor(float('-inf'), dtype=s.dtype)))
+        return torch.softmax(logits, -1) @ v
+    y_w = torch.softmax(s.masked_fill(~win, float('-inf')), -1) @ v
+    y_l = torch.softmax(logk.masked_fill(~lin, float('-inf')), -1).nan_to_num(0.0) @ v
+    has_l = lin.any(-1)[:, None]
+    return torch.where(has_l, f * y_w + (1 - f) * y_l, y_w)
+
+
+@pytest.mark.parametrize("combine", A.WINDOW_COMBINES)
+@pytest.mark.parametrize("name,opts", [('hedgehog', {}), ('lolcats', {'activation': 'exp'}), ('performer', {}),
+                                       ('exp', {'temperature': 2.0}), ('lln', {})])
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_hybrid_matches_float64_on_large_inputs(combine, name, opts, causal):
+    q, k = big_qk(sink=True)
+    v = torch.randn(1, 2, 48, 16, dtype=torch.float64)
+    core = A.Attention(name, 16, 2, causal=causal, window=5, window_combine=combine, chunk_size=16, **opts).eval()
+    with torch.no_grad():
+        core.window_factor.copy_(torch.tensor([-1.5, 1.0]))
+    ref = naive_window_ref(q, k, v, exact_log_kernel(core.fmap, q, k), 5, core.factor().detach(), causal, combine)
+    core.float()
+    y = core(q.float(), k.float(), v.float())
+    assert torch.isfinite(y).all()
+    assert rel_err(y.double(), ref) < 1e-4, rel_err(y.double(), ref)
+    assert rel_err((core.weights(q.float(), k.float()) @ v.float()).double(), ref) < 1e-4
+
+
+@pytest.mark.parametrize("combine", A.WINDOW_COMBINES)
+def test_window_forms_decode_matches_parallel(combine):
+    """Token-by-token decoding from the constant-size state equals the parallel form, for both combines."""
+    q, k = big_qk(T=23, sink=True)
+    q, k = q.float(), k.float()
+    v = torch.randn(1, 2, 23, 16)
+    core = A.Attention('hedgehog', 16, 2, window=4, window_combine=combine).eval()
+    with torch.no_grad():
+        core.window_factor.copy_(torch.tensor([0.7, -0.3]))
+    y = core(q, k, v)
+    _, st = core(q[:, :, :3], k[:, :, :3], v[:, :, :3], return_state=True)
+    outs = [y[:, :, :3]]
+    for t in range(3, 23):
+        yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        outs.append(yt)
+    assert rel_err(torch.cat(outs, 2), y) < 1e-5
+
+
+def test_window_mix_calibration_sets_teacher_window_mass():
+    q, k, v = qkv(T=30, scale=2.0)
+    core = A.Attention('hedgehog', D, H, window=6, window_combine='mix')
+    assert torch.allclose(core.factor(), torch.full((H,), 0.5))  # uncalibrated: s = 1/2
+    core.calibrate(q, k)
+    W = A.softmax_weights(q, k)
+    i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
+    mass = (W * ((i - j < 6) & (i >= j))).sum(-1)[..., 6:].mean(dim=(0, 2))
+    assert torch.allclose(core.factor(), mass, atol=1e-5)
+    joint = A.Attention('hedgehog', D, H, window=6)
+    joint.calibrate(q, k)  # the joint form's gamma is not data-initialised
+    assert torch.allclose(joint.factor(), torch.full((H,), 0.1))
+    with pytest.raises(ValueError, match="joint, mix"):
+        A.Attention('hedgehog', D, H, window=6, window_combine='sum')
+
+
+def test_features_shift_is_exact():
+    """phi(q) = phi_q' exp(c_q) for the exp maps, every query feature <= 1 after the shift, keys unshifted."""
+    q, k = big_qk(sink=True)
+    for name, opts in ROBUST_MAPS:
+        fmap = A.make_feature_map(name, 16, 2, **opts).double().eval()
+        pq, pk, c = fmap.features(q, k)
+        assert torch.allclose(pq * c.exp()[..., None], fmap.phi(q, 'q', 0), rtol=1e-9), name
+        assert torch.allclose(pk, fmap.phi(k, 'k', 0), rtol=1e-12), name
+        if fmap.log_domain:
+            assert pq.amax(-1).sub(1).abs().max() < 1e-12, name
+
+
+def test_lolcats_activations():
+    """phi(x) = f(x W + b + x): [softmax(u), softmax(-u)], [exp(u), exp(-u)], 1 + ELU(u), ReLU(u)."""
+    q, k, _ = qkv(T=5)
+    for act, F_ in (('softmax', 2 * D), ('exp', 2 * D), ('elu', D), ('relu', D)):
+        fmap = A.make_feature_map('lolcats', D, H, activation=act)
+        with torch.no_grad():
+            fmap.weight.normal_()
+            fmap.bias.normal_()
+        assert fmap.feature_dim == F_
+        u = torch.einsum('bhtd,hfd->bhtf', q, fmap.weight) + fmap.bias[None, :, None] + q
+        want = {'softmax': lambda: torch.cat([u.softmax(-1), (-u).softmax(-1)], -1),
+                'exp': lambda: torch.cat([u.exp(), (-u).exp()], -1),
+                'elu': lambda: torch.nn.functional.elu(u) + 1, 'relu': lambda: u.relu()}[act]()
+        assert torch.allclose(fmap.phi(q, 'q', 0), want, rtol=1e-5, atol=1e-6), act
+    assert A.make_feature_map('lolcats', D, H, softmax_dim=False).activation == 'exp'
+    with pytest.raises(ValueError, match="softmax, exp, elu, relu"):
+        A.make_feature_map('lolcats', D, H, activation='tanh')

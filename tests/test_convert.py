@@ -75,74 +75,6 @@ def _logits(model, x):
 
 
 # ---------------------------------------------------------------------------------------------------
-# DoF selection maths
-
-def test_degrees_of_freedom_known_spectrum():
-    G = torch.diag(torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64))
-    assert C.degrees_of_freedom(G, 1.0) == pytest.approx(3 / 4 + 1 / 2)
-    # a rotated copy has the same eigenvalues
-    Q, _ = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64))
-    assert C.degrees_of_freedom(Q @ G @ Q.T, 1.0) == pytest.approx(1.25, abs=1e-9)
-    # smaller lambda -> more degrees of freedom; bounded by the rank
-    assert C.degrees_of_freedom(G, 1e-6) == pytest.approx(2.0, abs=1e-5)
-    with pytest.raises(ValueError):
-        C.degrees_of_freedom(G, 0.0)
-
-
-def test_exp_gram_and_head_dofs():
-    torch.manual_seed(0)
-    x = torch.randn(20, 8)
-    G = C.exp_gram(x)
-    assert G.dtype == torch.float64 and torch.allclose(G, G.T)
-    assert torch.linalg.eigvalsh(G).min() > -1e-10  # positive semi-definite (exp kernel)
-    assert torch.allclose(G * 20, torch.exp(x.double() @ x.double().T / math.sqrt(8)))
-    q, k = torch.randn(3, 300, 8), torch.randn(3, 300, 8)
-    N = 64
-    for gram in ('sym', 'cross'):
-        d = C.head_dofs(q, k, lam=1e-2, n_samples=N, gram=gram, generator=torch.Generator().manual_seed(0))
-        assert len(d) == 3 and all(0 < v <= N for v in d)
-    # a head whose queries/keys are nearly collinear has far fewer degrees of freedom than a spread one
-    lowrank = torch.randn(1, 300, 1) * torch.randn(1, 1, 8)
-    d_low = C.head_dofs(lowrank * 0.3, lowrank * 0.3, 1e-2, N)[0]
-    d_full = C.head_dofs(q[:1], k[:1], 1e-2, N)[0]
-    assert d_low < d_full
-
-
-@pytest.mark.parametrize('dofs,budget,clip,min_dim', [
-    ([1.0, 2.0, 3.0, 4.0], 8, None, 1),
-    ([1.0, 2.0, 3.0, 40.0], 8, 16, 1),
-    ([0.1, 0.1, 50.0, 50.0], 8, 9, 2),
-    ([5.0, 5.0, 5.0], 7, None, 2),
-    ([0.5, 30.0, 2.0, 7.0, 1.0, 1.0], 12, 24, 2),
-])
-def test_allocate_dims_mean_equals_budget(dofs, budget, clip, min_dim):
-    dims = C.allocate_dims(dofs, budget, clip=clip, min_dim=min_dim)
-    assert sum(dims) / len(dims) == budget
-    assert all(min_dim <= d <= (clip or 10 ** 9) for d in dims)
-    # monotone in the degrees of freedom
-    order = sorted(range(len(dofs)), key=lambda i: dofs[i])
-    assert [dims[i] for i in order] == sorted(dims)
-
-
-def test_allocate_dims_infeasible_budget_saturates():
-    assert C.allocate_dims([1.0, 2.0], 100, clip=8) == [8, 8]
-
-
-def test_select_feature_dims_table(capsys):
-    torch.manual_seed(0)
-    qk = {0: (torch.randn(2, 200, 8) * 0.2, torch.randn(2, 200, 8) * 0.2),
-          1: (torch.randn(2, 200, 8) * 2, torch.randn(2, 200, 8) * 2)}
-    dims, table = C.select_feature_dims(qk, budget=12, lam=1e-2, n_samples=64)
-    out = capsys.readouterr().out
-    assert 'max DoF' in out and 'mean feature_dim = 12' in out
-    assert sum(dims.values()) / 2 == 12
-    for r in table:
-        assert all(0 < d <= 64 for d in r['dof_heads'])
-        assert r['dof_max'] == max(r['dof_heads'])
-    assert dims[1] >= dims[0]  # larger q.k spread -> more degrees of freedom
-
-
-# ---------------------------------------------------------------------------------------------------
 # LoRA
 
 def test_lora_starts_as_identity_and_only_lora_trains(ckpts, text_file):
@@ -280,6 +212,14 @@ def test_dof_selection_in_the_pipeline(ckpts, text_file, tmp_path, capsys):
                    '--dof_samples', '32', '--stage1_iters', '0', '--stage2_iters', '0'))
     dims = [s['feature_dims'][str(l)] for l in range(2)]
     assert sum(dims) / 2 == 12 and all(d % 2 == 0 for d in dims)
+    # DoF + Clip (paper Sec. 4.2) at head_dim 8 (hedgehog: F at 16), no redistribution; summary.json records it
+    s = _run(_args(ckpts['gpt2'], text_file, tmp_path / 'c', '--attn', 'hedgehog', '--dof_budget', '20',
+                   '--dof_samples', '32', '--dof_clip', '--stage1_iters', '0', '--stage2_iters', '0'))
+    dims = [s['feature_dims'][str(l)] for l in range(2)]
+    assert sum(r['unclipped'] for r in s['dof_table']) == 40 and dims == [16, 16]  # mean cost 16 < 20
+    assert [r['feature_dim'] for r in s['dof_table']] == dims
+    assert s['dof'] == {'lambda': 2 ** -4, 'J': 32, 'gram': 'sym', 'gram_scale': 'none', 'budget': 20,
+                        'clip': 16, 'calib_tokens': 4 * 4 * 32, 'mean_feature_dim': 16}
 
 
 @pytest.mark.slow
@@ -337,6 +277,8 @@ def test_strict_reload_rejects_tampered_files(ckpts, text_file, tmp_path):
     (['--attn', 'hedgehog', '--feature_dim', '7'], 'head_dim=8'),
     (['--attn', 'taylor', '--max_feature_dim', '32'], 'feature dimension 73'),
     (['--attn', 'elu', '--dof_budget', '8'], '--dof_budget applies to'),
+    (['--attn', 'dof', '--dof_clip'], '--dof_clip needs it'),
+    (['--attn', 'dof', '--dof_budget', '8', '--dof_lambda', '0'], '--dof_lambda must be > 0'),
     (['--loss', 'kl'], "unknown --loss part 'kl'"),
 ])
 def test_bad_input_is_a_clear_error(extra, message, ckpts, text_file, tmp_path, capsys):

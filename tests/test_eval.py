@@ -299,6 +299,21 @@ def test_bench_runs_tiny(tmp_path):
     assert '| T |' in open(os.path.join(out, 'bench.md')).read()
 
 
+def test_bench_decode_on_a_checkpoint(tmp_path):
+    """--bench decode --ckpt: the checkpoint's own attention against its softmax teacher (KV cache), both states
+    built by prefill; the teacher mode is switched off again afterwards."""
+    _, ckpt = _tiny_gpt(tmp_path, attn='hedgehog', window=4, block_size=128)
+    out = str(tmp_path / 'out')
+    assert _run(['--bench', 'decode', '--ckpt', ckpt, '--decode_lengths', '8,40', '--decode_window', '4',
+                 '--decode_linear', 'prefill', '--device', 'cpu', '--out_dir', out]) == 0
+    res = _json(out, 'bench')
+    dec = {(r['attn'], r['length']): r for r in res['decode']}
+    assert set(dec) == {('softmax', 8), ('softmax', 40), ('hedgehog+window4', 8), ('hedgehog+window4', 40)}
+    assert dec[('softmax', 40)]['state_mb'] > dec[('softmax', 8)]['state_mb']
+    assert dec[('hedgehog+window4', 40)]['state_mb'] == dec[('hedgehog+window4', 8)]['state_mb']
+    assert dec[('hedgehog+window4', 8)]['mode'] == 'prefill' and tmp_path.joinpath('out', 'bench.md').exists()
+
+
 # ---- command line -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('argv,needle', [

@@ -117,6 +117,55 @@ def test_bert_matches_transformers_with_padding(tmp_path):
         model(idx)
 
 
+@pytest.mark.parametrize('kind', ['no_pooler', 'token_classification', 'masked_lm'])
+def test_bert_without_pooler_loads(tmp_path, kind, recwarn):
+    """BERT checkpoints saved without a pooler load (hidden states equal transformers'), saying so once; a
+    classification head on them gets a new pooler."""
+    torch.manual_seed(0)
+    make = {'no_pooler': lambda c: transformers.BertModel(c, add_pooling_layer=False),
+            'token_classification': lambda c: transformers.BertForTokenClassification(c),
+            'masked_lm': lambda c: transformers.BertForMaskedLM(c)}[kind]
+    hf = make(_bert_cfg()).eval()
+    hf.save_pretrained(tmp_path)
+    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    pooler_notes = [w for w in recwarn if 'no pooler' in str(w.message)]
+    assert len(pooler_notes) == 1
+    idx = torch.randint(0, V, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    base = hf if kind == 'no_pooler' else hf.bert
+    with torch.no_grad():
+        ref = base(input_ids=idx, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(model.encode(idx, attention_mask=mask), ref, atol=1e-5, rtol=1e-4)
+    clf = M.GPT.from_pretrained(str(tmp_path), num_labels=2)
+    logits, loss = clf.classify(idx, attention_mask=mask, labels=torch.tensor([0, 1]))
+    assert logits.shape == (2, 2) and torch.isfinite(loss)
+
+
+PADDED_CHOICES = ([(a, {}) for a in ATTN_CHOICES] + [(a, {'window': 3}) for a in ('hedgehog', 'performer', 'elu')]
+                  + [('hedgehog', {'window': 3, 'window_combine': 'mix'}), ('lln', {'diag_block': 4}),
+                     ('hedgehog', {'diag_block': 4})])
+
+
+@pytest.mark.parametrize('attn,kw', PADDED_CHOICES)
+def test_padded_bert_real_rows_equal_unpadded(attn, kw):
+    """Every attention choice through a 2-layer bidirectional model with a padding mask: the real tokens'
+    hidden states are finite and equal to the unpadded run (a padded query whose window holds no real key
+    used to put NaN into real rows from the second layer on)."""
+    model = tiny('bert', attn=attn, **kw)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, V, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, 7:] = 0  # row 0: 7 real tokens, 9 padded (more than a window of padding)
+    with torch.no_grad():
+        h = model.encode(idx, attention_mask=mask)
+        h0 = model.encode(idx[:1, :7])
+        h1 = model.encode(idx[1:])
+    assert torch.isfinite(h[0, :7]).all() and torch.isfinite(h[1]).all()
+    torch.testing.assert_close(h[0, :7], h0[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(h[1], h1[0], atol=2e-5, rtol=1e-4)
+
+
 def test_bert_classifier_matches_transformers(tmp_path):
     torch.manual_seed(0)
     hf = transformers.BertForSequenceClassification(_bert_cfg(num_labels=3)).eval()
@@ -295,6 +344,19 @@ def test_decode_memory(attn, window):
         assert large > small  # the KV cache grows with length
     else:
         assert large == small  # the recurrent state does not
+
+
+def test_gqa_kv_cache_holds_only_the_kv_heads():
+    """A grouped-query model's softmax KV cache keeps n_kv_head heads (k, v reach the core repeated to n_head),
+    and decoding from it equals the full forward pass."""
+    model = _spread(tiny('llama'))  # n_head 4, n_kv_head 2, head_dim 8
+    prompt = torch.randint(0, V, (2, 9))
+    logits, states = model.prefill(prompt[:, :5])
+    assert states[0]['k'].shape == (2, 2, 5, 8) and states[0]['v'].shape == (2, 2, 5, 8)
+    for t in range(5, 9):
+        logits, states = model.decode_step(prompt[:, t], t, states)
+        torch.testing.assert_close(logits, model(prompt[:, :t + 1])[0][:, -1], atol=1e-4, rtol=1e-4)
+    assert model.decode_state_nbytes(states) == 2 * 2 * (2 * 2 * 9 * 8) * 4  # layers x (k, v) x B H_kv T D x fp32
 
 
 def test_generate_eos_sampling_and_limits():
