@@ -1422,9 +1422,10 @@ def _fmt_num(x, spec='.3f'):
 
 
 def report(dirs) -> str:
-    """A markdown table of several runs' summary.json: fidelity (mean KL) and perplexity per stage."""
-    rows = ['| run | attn | F (mean) | KL swap | KL stage 1 | KL stage 2 | ppl teacher | ppl swap | '
-            'ppl stage 1 | ppl stage 2 | recovery s1 % | recovery s2 % |', '|' + '---|' * 12]
+    """A markdown table of several runs' summary.json: quality (perplexity, or the GLUE metric), attention
+    fidelity (mean KL to the teacher's weights, mean output MSE) after each stage, and the run's wall time."""
+    rows = ['| run | attn | F (mean) | teacher | swap | stage 1 | stage 2 | KL swap | KL stage 1 | KL stage 2 | '
+            'MSE stage 1 | MSE stage 2 | recovery s1 % | recovery s2 % | time |', '|' + '---|' * 15]
     for d in dirs:
         path = os.path.join(d, SUMMARY) if os.path.isdir(d) else d
         if not os.path.isfile(path):
@@ -1433,11 +1434,12 @@ def report(dirs) -> str:
             s = json.load(f)
         st = s.get('stages', {})
 
-        def kl(n):
-            return _fmt_num(((st.get(n) or {}).get('fidelity') or {}).get('kl_mean'), '.3f')
+        def fid(n, key):
+            return _fmt_num(((st.get(n) or {}).get('fidelity') or {}).get(key), '.3f' if key == 'kl_mean' else '.4f')
 
-        def ppl(n):
-            return _fmt_num(((st.get(n) or {}).get('quality') or {}).get('ppl'), '.2f')
+        def qual(rec):  # perplexity for language modelling, the task's main metric for GLUE
+            rec = rec or {}
+            return _fmt_num(rec.get('ppl', rec.get('main', rec.get('metric'))), '.2f' if 'ppl' in rec else '.4f')
 
         def rec(n):
             return _fmt_num((st.get(n) or {}).get('recovery_pct'), '.1f')
@@ -1448,11 +1450,13 @@ def report(dirs) -> str:
         fd = s.get('feature_dims') or {}
         fmean = sum(fd.values()) / len(fd) if fd else None
         mode = (st.get('stage2') or {}).get('mode', '')
-        teacher = _fmt_num((s.get('teacher') or {}).get('ppl'), '.2f')
         rows.append(f"| {os.path.basename(os.path.normpath(d))} | {attn} | {_fmt_num(fmean, '.0f')} | "
-                    f"{kl('swap')} | {kl('stage1')} | {kl('stage2')} | {teacher} | {ppl('swap')} | "
-                    f"{ppl('stage1')} | {ppl('stage2')}{' (' + mode + ')' if mode else ''} | "
-                    f"{rec('stage1')} | {rec('stage2')} |")
+                    f"{qual(s.get('teacher'))} | {qual((st.get('swap') or {}).get('quality'))} | "
+                    f"{qual((st.get('stage1') or {}).get('quality'))} | "
+                    f"{qual((st.get('stage2') or {}).get('quality'))}{' (' + mode + ')' if mode else ''} | "
+                    f"{fid('swap', 'kl_mean')} | {fid('stage1', 'kl_mean')} | {fid('stage2', 'kl_mean')} | "
+                    f"{fid('stage1', 'mse_mean')} | {fid('stage2', 'mse_mean')} | {rec('stage1')} | {rec('stage2')} | "
+                    f"{_fmt_time(s['seconds']) if s.get('seconds') else '-'} |")
     return '\n'.join(rows)
 
 

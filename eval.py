@@ -32,7 +32,7 @@ import attention
 import train
 
 BENCH_CHOICES = ['attention', 'model', 'decode', 'kernels', 'all']
-REPORTS = ['ppl', 'glue', 'rouge', 'fidelity', 'bench', 'lln']
+REPORTS = ['ppl', 'glue', 'rouge', 'generate', 'fidelity', 'bench', 'lln']
 
 # The SAMSum prompt (Hedgehog, Listing 4): the llama-recipes SAMSum template -- instruction, the dialogue, a
 # separator line and "Summary:"; the model continues with the summary and EOS. (Written from the llama-recipes
@@ -423,6 +423,75 @@ def report_rouge(args):
 
 
 # -----------------------------------------------------------------------------------------------------------
+# generation: the model next to its softmax teacher
+
+DEFAULT_PROMPTS = ('The capital of France is Paris. The capital of Germany is',
+                   'Water boils at a temperature of',
+                   'Once upon a time, in a small village,')
+
+
+def _teacher_of(ckpt, model, device):
+    """The softmax model a checkpoint was converted from: a convert.py folder's base model (without its LoRA
+    adapters); None for a model that is softmax already or that names no base."""
+    if all(c.kind == 'softmax' for c in model.attention_cores()):
+        return None
+    path = os.path.join(ckpt, 'manifest.json') if os.path.isdir(ckpt) else None
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        base = json.load(f).get('base_model')
+    return load_model(base, device)[0] if base else None
+
+
+@torch.no_grad()
+def _greedy(model, ids, max_new_tokens, eos_id, device):
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    out = model.generate(x, max_new_tokens, temperature=0.0, eos_token_id=eos_id)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def report_generate(args):
+    """Greedy continuations of the same prompts by the model and, for a convert.py folder, by the softmax model it
+    was converted from. Prompts: --prompt (repeatable); else from --data: with --prompt_tokens N, --n_prompts
+    passages of N tokens at evenly spaced offsets (long prompts, so that a window hybrid's linear part is used),
+    otherwise one prompt per line; else three built-in ones."""
+    model, _ = load_model(args.ckpt, args.device)
+    if model.config.family == 'bert':
+        raise EvalError('--generate needs a causal model (family gpt2 or llama), got bert')
+    tok = load_tokenizer(model, args.tokenizer)
+    if args.prompt:
+        prompts = list(args.prompt)
+    elif args.data and args.prompt_tokens > 0:
+        ids = tok.encode(load_corpus_text(args.data, args.split)[0])
+        n, L = max(args.n_prompts, 1), args.prompt_tokens
+        if len(ids) < L:
+            raise EvalError(f'--data has {len(ids)} tokens, fewer than --prompt_tokens {L}')
+        prompts = [tok.decode(ids[o:o + L]) for o in range(0, len(ids) - L + 1, max((len(ids) - L) // n, 1))][:n]
+    elif args.data:
+        prompts = [p for p in load_corpus_text(args.data, args.split)[0].splitlines() if p.strip()]
+    else:
+        prompts = list(DEFAULT_PROMPTS)
+    teacher = _teacher_of(args.ckpt, model, args.device)
+    runs = [(describe_attention(model), model)] + ([('softmax teacher', teacher)] if teacher is not None else [])
+    log(f'tokenizer: {tok.name}; greedy, {args.max_new_tokens} new tokens (stop at EOS {tok.eos_id}); '
+        f'{" vs ".join(n for n, _ in runs)}')
+    rows = []
+    for p in prompts:
+        ids = tok.encode(p)
+        _check_vocab(ids, model)
+        row = {'prompt': p}
+        log(f'\nprompt: {p!r}')
+        for name, m in runs:
+            new, sec = _greedy(m, ids, args.max_new_tokens, tok.eos_id, args.device)
+            row[name] = {'text': tok.decode(new), 'tokens': len(new), 'seconds': round(sec, 3)}
+            log(f'  {name:>20s}: {tok.decode(new)!r}  ({len(new)} tokens, {len(new) / sec:.1f} tok/s)')
+        rows.append(row)
+    return {'ckpt': args.ckpt, 'tokenizer': tok.name, 'max_new_tokens': args.max_new_tokens,
+            'models': [n for n, _ in runs], 'samples': rows}
+
+
+# -----------------------------------------------------------------------------------------------------------
 # attention fidelity
 
 def _parse_ints(s, what):
@@ -444,12 +513,31 @@ def parse_maps(s):
     return maps
 
 
+def parse_map_specs(s):
+    """--maps for fidelity: names with optional options as train.py takes them ('exp:t=2') -> [(label, name,
+    options)], the label being the spec as written."""
+    specs = [m.strip() for m in s.split(',') if m.strip()] if s else []
+    parse_maps(','.join(m.partition(':')[0] for m in specs))   # unknown names: the one-line error above
+    out = []
+    for spec in specs:
+        try:
+            name, opts = train.parse_attn_spec(spec)
+        except ValueError as e:
+            raise EvalError(f'--maps {spec!r}: {e}')
+        out.append((spec, name, opts))
+    return out
+
+
 @torch.no_grad()
-def capture_qk(model, idx):
-    """q, k (after RoPE, GQA already repeated) that each layer's attention core receives on idx."""
+def capture_qk(model, idx, teacher=False):
+    """q, k (after RoPE, GQA already repeated) that each layer's attention core receives on idx. teacher=True:
+    from the softmax teacher's forward pass (every core in teacher mode, exact softmax), so a converted layer is
+    compared on the teacher's own inputs (teacher forcing, as convert.py measures it)."""
     store = {}
     hooks = []
+    modes = [c.teacher for c in model.attention_cores()]
     for i, core in enumerate(model.attention_cores()):
+        core.teacher = modes[i] or teacher
         def pre(mod, args, kwargs, i=i):
             q = args[0] if len(args) > 0 else kwargs['q']
             k = args[1] if len(args) > 1 else kwargs['k']
@@ -461,8 +549,9 @@ def capture_qk(model, idx):
         else:
             model(idx)
     finally:
-        for h in hooks:
+        for h, core, mode in zip(hooks, model.attention_cores(), modes):
             h.remove()
+            core.teacher = mode
     return [store[i] for i in sorted(store)]
 
 
@@ -507,8 +596,24 @@ def _map_label(core):
     return label + ' (model)'
 
 
+def fidelity_windows(tok, ids, context, n_samples, bert=False):
+    """(n, context) windows of consecutive token ids. A BERT sees text framed as in its training, [CLS] text
+    [SEP] (the tokenizer's single-sentence classifier input): each window is [CLS] + context - 2 tokens + [SEP]."""
+    pre, suf = [], []
+    if bert:
+        frame = tok.encode_pair('', None, context)[0]   # [CLS] [SEP]
+        pre, suf = frame[:1], frame[1:]
+    body = context - len(pre) - len(suf)
+    ids = ids[:body * n_samples]
+    n = len(ids) // body
+    if n < 1:
+        raise EvalError(f'need at least --context={context} tokens of text' + (' (with [CLS] and [SEP])' if bert
+                        else '') + f', got {len(ids)}')
+    return torch.tensor([pre + ids[i * body:(i + 1) * body] + suf for i in range(n)], dtype=torch.long)
+
+
 def report_fidelity(args):
-    extra_maps = parse_maps(args.maps)
+    extra_maps = parse_map_specs(args.maps)
     model, _ = load_model(args.ckpt, args.device)
     cfg = model.config
     tok = load_tokenizer(model, args.tokenizer)
@@ -518,17 +623,15 @@ def report_fidelity(args):
         raise EvalError(f'--context {context} > model block_size {cfg.block_size}')
     ids = tok.encode(text)[:context * args.n_samples]
     _check_vocab(ids, model)
-    n = len(ids) // context
-    if n < 1:
-        raise EvalError(f'need at least --context={context} tokens of text, got {len(ids)}')
-    idx = torch.tensor(ids[:n * context], dtype=torch.long, device=args.device).view(n, context)
+    idx = fidelity_windows(tok, ids, context, args.n_samples, bert=cfg.family == 'bert').to(args.device)
+    n = idx.shape[0]
     cores = model.attention_cores()
     own = [c for c in cores if c.attn != 'softmax']
     if not own and not extra_maps:
-        extra_maps = [m for m in ('elu', 'performer', 'cosformer', 'taylor', 'hedgehog') if m in attention.FEATURE_MAPS]
+        extra_maps = [(m, m, {}) for m in ('elu', 'performer', 'cosformer', 'taylor', 'hedgehog')]
     log(f'tokenizer: {tok.name}; data: {source}; {n} x {context} tokens; model attention: {describe_attention(model)}; '
-        f'compared maps: {", ".join(extra_maps) if extra_maps else "-"}')
-    qk = capture_qk(model, idx)
+        f'q, k from the {args.qk}; compared maps: {", ".join(m[0] for m in extra_maps) if extra_maps else "-"}')
+    qk = capture_qk(model, idx, teacher=args.qk == 'teacher')
     torch.manual_seed(args.seed)
     layers, per_layer_weights = [], []
     for li, (core, (q, k)) in enumerate(zip(cores, qk)):
@@ -538,16 +641,18 @@ def report_fidelity(args):
         if core.attn != 'softmax':
             dev = args.device
             fns[_map_label(core)] = lambda q_, k_, c=core, d=dev: student_weights(c, q_.to(d), k_.to(d)).cpu()
-        for name in extra_maps:
-            c = attention.Attention(name, D, H, causal=causal)
-            fns[name + ' (untrained)'] = lambda q_, k_, c=c: c.weights(q_, k_)
+        for label, name, opts in extra_maps:
+            if name == 'cosformer':   # M = the model's context length, as model.make_core builds it
+                opts = {'max_len': cfg.block_size, **opts}
+            c = attention.Attention(name, D, H, causal=causal, **opts)
+            fns[label + ' (untrained)'] = lambda q_, k_, c=c: c.weights(q_, k_)
         heads, weights = fidelity_stats(q, k, fns, causal=causal)
         layers.append({'layer': li, 'attn': core.attn, 'heads': heads})
         per_layer_weights.append({name: w[0] for name, w in weights.items()})  # first sample only, for figures
     summary = summarize_fidelity(layers)
     print_fidelity(layers, summary)
     res = {'ckpt': args.ckpt, 'data': source, 'samples': n, 'context': context, 'attn': describe_attention(model),
-           'maps': list(summary), 'summary': summary, 'layers': layers, 'figures': []}
+           'qk': args.qk, 'maps': list(summary), 'summary': summary, 'layers': layers, 'figures': []}
     res['figures'] = fidelity_figures(args, qk, per_layer_weights, layers, cores)
     return res
 
@@ -598,6 +703,16 @@ def _matplotlib():
         return None
 
 
+def _save_figure(fig, out_dir, name, dpi):
+    """Lay out, write out_dir/name as PNG, close; returns the path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def fidelity_figures(args, qk, per_layer_weights, layers, cores):
     plt = _matplotlib()
     if plt is None:
@@ -638,10 +753,7 @@ def fidelity_figures(args, qk, per_layer_weights, layers, cores):
                 ax.set_xlabel(f'KL {kl:.3f}', fontsize=7)
     fig.suptitle(f'attention weights, first {T} tokens of sample 0 (colour: sqrt scale, shared per row); '
                  f'KL(softmax || map) of the head over all rows and samples', fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(args.out_dir, 'fidelity_heatmaps.png')
-    fig.savefig(path, dpi=args.dpi)
-    plt.close(fig)
+    path = _save_figure(fig, args.out_dir, 'fidelity_heatmaps.png', args.dpi)
     files.append(path)
 
     # 2. weight vs q.k scatter for the first selected layer/head (Hedgehog Fig. 3): the last query rows
@@ -669,10 +781,7 @@ def fidelity_figures(args, qk, per_layer_weights, layers, cores):
         ax.tick_params(labelsize=6)
         ax.locator_params(axis='x', nbins=4)
     fig.suptitle(f'weight vs q.k, layer {li} head {h}, last {len(rows)} query rows', fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(args.out_dir, 'fidelity_scatter.png')
-    fig.savefig(path, dpi=args.dpi)
-    plt.close(fig)
+    path = _save_figure(fig, args.out_dir, 'fidelity_scatter.png', args.dpi)
     files.append(path)
 
     # 3. entropy (and KL) per layer
@@ -696,10 +805,7 @@ def fidelity_figures(args, qk, per_layer_weights, layers, cores):
         axes[0][1].set_yscale('log')
     for ax in axes[0]:
         ax.set_xticks(x)
-    fig.tight_layout()
-    path = os.path.join(args.out_dir, 'fidelity_entropy.png')
-    fig.savefig(path, dpi=args.dpi)
-    plt.close(fig)
+    path = _save_figure(fig, args.out_dir, 'fidelity_entropy.png', args.dpi)
     files.append(path)
     for p in files:
         log(f'wrote {p}')
@@ -812,10 +918,7 @@ def lln_figure(args, grid, curves):
     axes[0].legend(fontsize=7)
     fig.suptitle(f'LLN Fig. 2 on Gaussian q, k (head_dim {args.lln_head_dim}, {args.lln_tokens} tokens, '
                  f'bidirectional)', fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(args.out_dir, 'lln.png')
-    fig.savefig(path, dpi=args.dpi)
-    plt.close(fig)
+    path = _save_figure(fig, args.out_dir, 'lln.png', args.dpi)
     log(f'wrote {path}')
     return [path]
 
@@ -1214,6 +1317,9 @@ def build_parser():
     r.add_argument('--ppl', action='store_true', help='perplexity on --data (text file, folder, datasets name)')
     r.add_argument('--glue', metavar='TASK', help='GLUE task on its validation split: ' + ', '.join(train.GLUE_TASKS))
     r.add_argument('--rouge', action='store_true', help='ROUGE-1/2/L of generated summaries (JSONL or SAMSum)')
+    r.add_argument('--generate', action='store_true',
+                   help='greedy continuations of --prompt (or of --data lines) by the model and, for a convert.py '
+                        'folder, by the softmax model it was converted from')
     r.add_argument('--fidelity', action='store_true', help='attention fidelity vs softmax, with figures')
     r.add_argument('--bench', nargs='?', const='all', metavar='WHAT',
                    help='one of ' + ', '.join(BENCH_CHOICES) + ', or a comma-separated list')
@@ -1234,9 +1340,16 @@ def build_parser():
     p.add_argument('--split', default='test', help='ppl/rouge: split when loading from `datasets`')
     p.add_argument('--limit', type=int, default=0, help='rouge/glue: first N examples only (0 = all)')
     p.add_argument('--max_new_tokens', type=int, default=64)
+    p.add_argument('--prompt', action='append', help='generate: a prompt (repeat the flag for several)')
+    p.add_argument('--prompt_tokens', type=int, default=0,
+                   help='generate: prompts of this many tokens taken from --data (0: one prompt per line)')
+    p.add_argument('--n_prompts', type=int, default=3, help='generate: how many --prompt_tokens passages')
     p.add_argument('--n_samples', type=int, default=2, help='fidelity: sequences of --context tokens')
-    p.add_argument('--maps', default='', help='fidelity: also compare these untrained maps: ' +
-                   ','.join(attention.FEATURE_MAPS))
+    p.add_argument('--maps', default='', help='fidelity: also compare these untrained maps (options as in '
+                   "train.py, e.g. exp:t=2): " + ','.join(attention.FEATURE_MAPS))
+    p.add_argument('--qk', default='model', choices=['model', 'teacher'],
+                   help="fidelity: q, k from the model's own forward pass, or from its softmax teacher's (every "
+                        'core in teacher mode: each layer on the teacher\'s inputs, as convert.py measures it)')
     p.add_argument('--layers', default='', help='fidelity figures: layers (default first and last)')
     p.add_argument('--heads', default='', help='fidelity figures: heads (default 0,1)')
     p.add_argument('--fig_tokens', type=int, default=64, help='fidelity heatmaps: first N tokens')
@@ -1255,7 +1368,7 @@ def build_parser():
                         'L - window then time window decode steps, as --decode_softmax prefill does)')
     p.add_argument('--decode_softmax', default='prefill', choices=['prefill', 'generate'],
                    help='bench decode: build the softmax KV cache for each length by prefill, or generate it')
-    p.add_argument('--threads', type=int, default=0, help='bench: torch threads (0 = torch default)')
+    p.add_argument('--threads', type=int, default=0, help='torch CPU threads (0 = torch default)')
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--repeats', type=int, default=3)
     p.add_argument('--lln_head_dim', type=int, default=64, help='lln: head dimension of the Gaussian q, k')
@@ -1274,9 +1387,14 @@ def main(argv=None):
         return 2
     report = chosen[0]
     torch.manual_seed(args.seed)
+    if args.threads < 0:
+        print(f'eval.py: error: --threads must be >= 0 (0 = torch default), got {args.threads}', file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
-        res = {'ppl': report_ppl, 'glue': report_glue, 'rouge': report_rouge, 'fidelity': report_fidelity,
-               'bench': report_bench, 'lln': report_lln}[report](args)
+        res = {'ppl': report_ppl, 'glue': report_glue, 'rouge': report_rouge, 'generate': report_generate,
+               'fidelity': report_fidelity, 'bench': report_bench, 'lln': report_lln}[report](args)
     except EvalError as e:
         print(f'eval.py: error: {e}', file=sys.stderr)
         return 2

@@ -165,6 +165,27 @@ def test_full_finetune_window_hybrid_and_mse(ckpts, text_file, tmp_path):
     assert 'transformer.wte.weight' in manifest['parameters']  # full finetune saves every weight
 
 
+def test_window_mix_is_calibrated_saved_and_reloaded(ckpts, text_file, tmp_path):
+    """--window_combine mix: s starts at the teacher's window mass (not 1/2), and the converted folder reloads
+    with the mix form and its trained factors; map options in --attn reach the map."""
+    import attention as A
+    out = tmp_path / 'mix'
+    s = _run(_args(ckpts['llama'], text_file, out, '--attn', 'lolcats:activation=elu', '--window', '8',
+                   '--window_combine', 'mix', '--stage1_iters', '3', '--stage2_iters', '0'))
+    assert s['window_combine'] == 'mix' and s['attn_options'] == {'activation': 'elu'}
+    m = C.load_converted(str(out))
+    cores = m.attention_cores()
+    assert all(c.window_combine == 'mix' and c.fmap.activation == 'elu' for c in cores)
+    assert all((c.factor() - 0.5).abs().max() > 1e-3 for c in cores)  # calibrated, then trained
+    base, _ = C.load_base(ckpts['llama'])
+    C.swap_attention(base, 'lolcats', [0, 1], window=8, window_combine='mix', map_options={'activation': 'elu'})
+    base.load_state_dict(m.state_dict())
+    x = torch.randint(0, VOCAB, (2, 24))
+    torch.testing.assert_close(_logits(base, x), _logits(m, x))
+    assert '| mix | lolcats:activation=elu-w8(mix) |' in C.report([str(out)])
+    assert A.WINDOW_COMBINES == ('joint', 'mix')
+
+
 def test_output_mse_never_forms_the_attention_matrix(ckpts, monkeypatch):
     """The LoLCATs loss goes through the core's chunked linear path (no T x T weights)."""
     model, _ = C.load_base(ckpts['gpt2'])

@@ -280,6 +280,57 @@ def test_fidelity_report_softmax_model_defaults(tmp_path):
     assert res['maps'] == ['softmax', 'cosformer (untrained)']
 
 
+def test_fidelity_teacher_qk_and_map_options(tmp_path):
+    """--qk teacher takes every layer's q, k from the softmax forward pass (what the unconverted model computes);
+    --qk model from the converted model's own pass. --maps takes options ('exp:t=2')."""
+    soft, _ = _tiny_gpt(tmp_path)
+    m, _ = _tiny_gpt(tmp_path, name='other.pt')
+    m.set_attention('elu')      # same q/k/v weights as `soft`, every layer linear
+    idx = torch.randint(0, 200, (2, 24))
+    want = ev.capture_qk(soft, idx)
+    got_t, got_m = ev.capture_qk(m, idx, teacher=True), ev.capture_qk(m, idx)
+    assert all(not c.teacher for c in m.attention_cores())   # the modes are restored
+    for (qw, kw), (qt, kt), (qm, km) in zip(want, got_t, got_m):
+        torch.testing.assert_close(qt, qw)
+        torch.testing.assert_close(kt, kw)
+    torch.testing.assert_close(got_m[0][0], want[0][0])       # layer 0 sees the embeddings either way
+    assert (got_m[1][0] - want[1][0]).abs().max() > 1e-4      # layer 1 sees layer 0's linear attention
+    ckpt = str(tmp_path / 'elu.pt')
+    M.save_checkpoint(ckpt, m)
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '16', '--qk', 'teacher',
+                 '--maps', 'exp,exp:t=2', '--out_dir', out]) == 0
+    res = _json(out, 'fidelity')
+    assert res['qk'] == 'teacher'
+    assert res['maps'] == ['softmax', 'elu (model)', 'exp (untrained)', 'exp:t=2 (untrained)']
+    s = res['summary']
+    assert s['exp (untrained)']['kl_mean'] != pytest.approx(s['exp:t=2 (untrained)']['kl_mean'], rel=1e-3)
+    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--maps', 'exp:t']) == 2
+
+
+def test_fidelity_bert_windows_are_framed(tmp_path):
+    """A BERT's fidelity windows are [CLS] text [SEP] (the tokenizer's single-sentence input), each of --context."""
+    tok = train.get_tokenizer(verbose=False)
+    frame = tok.encode_pair('', None, 8)[0]
+    ids = tok.encode(TEXT)
+    w = ev.fidelity_windows(tok, ids, 16, 3, bert=True)
+    assert w.shape == (3, 16)
+    assert w[:, 0].tolist() == [frame[0]] * 3 and w[:, -1].tolist() == [frame[-1]] * 3
+    assert w[1, 1:-1].tolist() == ids[14:28]                   # consecutive text between the frames
+    assert ev.fidelity_windows(tok, ids, 16, 3).tolist() == torch.tensor(ids[:48]).view(3, 16).tolist()
+    torch.manual_seed(0)
+    bert = M.GPT(M.GPTConfig(family='bert', vocab_size=_vocab(), block_size=32, n_layer=2, n_head=2, n_embd=32,
+                             attn='hedgehog')).eval()
+    ckpt = str(tmp_path / 'bert.pt')
+    M.save_checkpoint(ckpt, bert)
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '16', '--maps', 'elu',
+                 '--n_samples', '2', '--out_dir', out]) == 0
+    res = _json(out, 'fidelity')
+    assert res['samples'] == 2 and res['context'] == 16
+    assert res['maps'] == ['softmax', 'hedgehog (model)', 'elu (untrained)']
+
+
 # ---- bench ------------------------------------------------------------------------------------------------
 
 def test_bench_runs_tiny(tmp_path):
@@ -312,6 +363,26 @@ def test_bench_decode_on_a_checkpoint(tmp_path):
     assert dec[('softmax', 40)]['state_mb'] > dec[('softmax', 8)]['state_mb']
     assert dec[('hedgehog+window4', 40)]['state_mb'] == dec[('hedgehog+window4', 8)]['state_mb']
     assert dec[('hedgehog+window4', 8)]['mode'] == 'prefill' and tmp_path.joinpath('out', 'bench.md').exists()
+
+
+def test_generate_next_to_teacher(tmp_path):
+    """--generate on a convert.py folder: the converted model's and the softmax base's greedy continuations."""
+    import convert
+    _, ckpt = _tiny_gpt(tmp_path)
+    out_conv = str(tmp_path / 'conv')
+    assert convert.main(['--init_from', ckpt, '--data', _text_file(tmp_path), '--attn', 'elu', '--block_size', '32',
+                         '--batch_size', '2', '--eval_batches', '1', '--stage1_iters', '0', '--stage2_iters', '0',
+                         '--out_dir', out_conv]) == 0
+    out = str(tmp_path / 'out')
+    assert _run(['--generate', '--ckpt', out_conv, '--prompt', 'First Citizen:', '--prompt', 'All:',
+                 '--max_new_tokens', '5', '--out_dir', out]) == 0
+    res = _json(out, 'generate')
+    assert res['models'] == ['elu', 'softmax teacher'] and len(res['samples']) == 2
+    teacher, _ = ev.load_model(ckpt)
+    ids = torch.tensor([list(b'All:')])
+    want = teacher.generate(ids, 5, temperature=0.0)[0, 4:].tolist()
+    assert res['samples'][1]['softmax teacher']['text'] == bytes(want).decode('utf-8', errors='replace')
+    assert res['samples'][0]['elu']['tokens'] == 5
 
 
 # ---- command line -----------------------------------------------------------------------------------------
