@@ -280,6 +280,16 @@ def test_fidelity_report_softmax_model_defaults(tmp_path):
     assert res['maps'] == ['softmax', 'cosformer (untrained)']
 
 
+def _fidelity_of(tmp_path, model, extra):
+    """Saves `model`, runs eval.py --fidelity on it (16-token windows) with `extra` flags -> (fidelity.json, ckpt)."""
+    ckpt = str(tmp_path / 'fid.pt')
+    M.save_checkpoint(ckpt, model)
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '16', *extra,
+                 '--out_dir', out]) == 0
+    return _json(out, 'fidelity'), ckpt
+
+
 def test_fidelity_teacher_qk_and_map_options(tmp_path):
     """--qk teacher takes every layer's q, k from the softmax forward pass (what the unconverted model computes);
     --qk model from the converted model's own pass. --maps takes options ('exp:t=2')."""
@@ -295,12 +305,7 @@ def test_fidelity_teacher_qk_and_map_options(tmp_path):
         torch.testing.assert_close(kt, kw)
     torch.testing.assert_close(got_m[0][0], want[0][0])       # layer 0 sees the embeddings either way
     assert (got_m[1][0] - want[1][0]).abs().max() > 1e-4      # layer 1 sees layer 0's linear attention
-    ckpt = str(tmp_path / 'elu.pt')
-    M.save_checkpoint(ckpt, m)
-    out = str(tmp_path / 'out')
-    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '16', '--qk', 'teacher',
-                 '--maps', 'exp,exp:t=2', '--out_dir', out]) == 0
-    res = _json(out, 'fidelity')
+    res, ckpt = _fidelity_of(tmp_path, m, ['--qk', 'teacher', '--maps', 'exp,exp:t=2'])
     assert res['qk'] == 'teacher'
     assert res['maps'] == ['softmax', 'elu (model)', 'exp (untrained)', 'exp:t=2 (untrained)']
     s = res['summary']
@@ -321,12 +326,7 @@ def test_fidelity_bert_windows_are_framed(tmp_path):
     torch.manual_seed(0)
     bert = M.GPT(M.GPTConfig(family='bert', vocab_size=_vocab(), block_size=32, n_layer=2, n_head=2, n_embd=32,
                              attn='hedgehog')).eval()
-    ckpt = str(tmp_path / 'bert.pt')
-    M.save_checkpoint(ckpt, bert)
-    out = str(tmp_path / 'out')
-    assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '16', '--maps', 'elu',
-                 '--n_samples', '2', '--out_dir', out]) == 0
-    res = _json(out, 'fidelity')
+    res, _ = _fidelity_of(tmp_path, bert, ['--maps', 'elu', '--n_samples', '2'])
     assert res['samples'] == 2 and res['context'] == 16
     assert res['maps'] == ['softmax', 'hedgehog (model)', 'elu (untrained)']
 
