@@ -789,13 +789,15 @@ def fidelity_figures(args, qk, per_layer_weights, layers, cores):
     has_kl = any('kl_per_layer' in s for s in summary.values())
     fig, axes = plt.subplots(1, 2 if has_kl else 1, figsize=(9 if has_kl else 4.5, 3.2), squeeze=False)
     x = list(range(n_layer))
-    for c, name in enumerate(summary):
+    for c, name in enumerate(summary):   # softmax black; past 10 maps the colours repeat, dashed
+        style = {'color': 'k', 'linewidth': 2} if name == 'softmax' else \
+            {'color': f'C{(c - 1) % 10}', 'linestyle': '-' if c <= 10 else '--'}
         ent = summary[name]['entropy_per_layer']
         xs = [i for i in x if ent[i] is not None]
-        axes[0][0].plot(xs, [ent[i] for i in xs], marker='o', label=name, color=f'C{c % 10}')
+        axes[0][0].plot(xs, [ent[i] for i in xs], marker='o', label=name, **style)
         if has_kl and 'kl_per_layer' in summary[name]:
             kl = summary[name]['kl_per_layer']
-            axes[0][1].plot(xs, [max(kl[i], 1e-8) for i in xs], marker='o', label=name, color=f'C{c % 10}')
+            axes[0][1].plot(xs, [max(kl[i], 1e-8) for i in xs], marker='o', label=name, **style)
     axes[0][0].set_title('attention entropy (nats, mean over heads/rows)', fontsize=9)
     axes[0][0].set_xlabel('layer')
     axes[0][0].legend(fontsize=7)
