@@ -613,6 +613,7 @@ def fidelity_windows(tok, ids, context, n_samples, bert=False):
 
 
 def report_fidelity(args):
+    import model as model_lib
     extra_maps = parse_map_specs(args.maps)
     model, _ = load_model(args.ckpt, args.device)
     cfg = model.config
@@ -642,9 +643,7 @@ def report_fidelity(args):
             dev = args.device
             fns[_map_label(core)] = lambda q_, k_, c=core, d=dev: student_weights(c, q_.to(d), k_.to(d)).cpu()
         for label, name, opts in extra_maps:
-            if name == 'cosformer':   # M = the model's context length, as model.make_core builds it
-                opts = {'max_len': cfg.block_size, **opts}
-            c = attention.Attention(name, D, H, causal=causal, **opts)
+            c = attention.Attention(name, D, H, causal=causal, **model_lib.map_options(cfg, name, opts))
             fns[label + ' (untrained)'] = lambda q_, k_, c=c: c.weights(q_, k_)
         heads, weights = fidelity_stats(q, k, fns, causal=causal)
         layers.append({'layer': li, 'attn': core.attn, 'heads': heads})

@@ -168,14 +168,21 @@ def apply_rope(x, cos, sin):
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+def map_options(config, attn, options):
+    """A copy of the feature-map options with the model's defaults filled in: cosformer's M (max_len) is the
+    model's context length."""
+    options = dict(options)
+    if attn == 'cosformer' and options.get('max_len') is None:
+        options['max_len'] = config.block_size
+    return options
+
+
 def make_core(config, attn=None, window=None, diag_block=None, impl=None, options=None, window_combine=None):
     """The attention core of one layer (an attention.Attention)."""
     attn = config.attn if attn is None else attn
     if attn not in ATTN_CHOICES:
         raise ValueError(f"unknown attn {attn!r}; choose one of {ATTN_CHOICES}")
-    options = dict(config.attn_options if options is None else options)
-    if attn == 'cosformer' and options.get('max_len') is None:
-        options['max_len'] = config.block_size
+    options = map_options(config, attn, config.attn_options if options is None else options)
     return Attention(attn, config.head_dim, config.n_head, causal=config.causal,
                      window=config.window if window is None else window,
                      diag_block=config.diag_block if diag_block is None else diag_block,
