@@ -1,20 +1,18 @@
 """
 Attention, softmax and linear, in one file. In reading order:
 
-  1. softmax attention, the reference (Vaswani et al. 2017): softmax_attention, softmax_weights, causal_mask
-  2. feature maps phi from four papers -- Hedgehog, LoLCATs, Linear Log-Normal (LLN, with its moment-matching
-     fit lln_fit / lln_alpha_beta), Degrees of Freedom (DoF) -- and the baselines they compare with (1+ELU,
-     ReLU, T2R, Performer, cosFormer, Taylor, exp): FEATURE_MAPS, make_feature_map
+  1. softmax attention, the reference (Vaswani et al. 2017): softmax_attention, softmax_weights
+  2. feature maps phi of four papers -- Hedgehog, LoLCATs, Linear Log-Normal (LLN, with its moment matching
+     lln_alpha_beta), Degrees of Freedom (DoF) -- and their baselines (1+ELU, ReLU, T2R, Performer, cosFormer,
+     Taylor, exp): FEATURE_MAPS
   3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
-  4. linear attention, four ways that agree to float32 precision (impl):
-       quadratic  materialise phi(q) phi(k)^T, mask, normalise rows (teaching, distillation)
-       chunked    intra-chunk quadratic + a state carried across chunks, O(T) memory (training); on CUDA it
-                  runs kernels.py's Triton kernel (the same algorithm) where the sizes fit
-       recurrent  one token at a time from a state (S, z) (generation)
-       triton     kernels.py's kernel by name (an error where it cannot run)
-  5. hybrids: sliding-window softmax + linear (LoLCATs; forms 'joint' and 'mix'), block-diagonal softmax +
-     linear (LLN+Diag)
-  6. Attention, the core of one layer that model.py calls, with its decode states; state_nbytes
+  4. linear attention four ways (impl), equal to float32 precision: quadratic (materialise phi(q) phi(k)^T:
+     teaching, distillation), chunked (a state carried across chunks, O(T) memory: training; on CUDA it runs
+     kernels.py's Triton kernel of the same algorithm where the sizes fit), recurrent (token by token from a
+     state (S, z): generation), triton (the kernel by name: an error where it cannot run)
+  5. hybrids: sliding-window softmax + linear (LoLCATs, forms joint and mix), block-diagonal softmax + linear
+     (LLN+Diag)
+  6. Attention, the core of one layer that model.py calls, with its decode states
   7. metrics (entropy, spectral gap, monotonicity, KL) and distillation losses (Hedgehog, LoLCATs, DoF)
 
 Linear attention, for one head (Katharopoulos et al. 2020, Eq. 4-6):
@@ -49,24 +47,21 @@ def _choose(what, value, choices):
 
 
 def _check_qk(q, k, head_dim=None, n_heads=None):
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"expected q and k of shape (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share B, H and D")
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
     if head_dim is not None and q.shape[-1] != head_dim:
         raise ValueError(f"head_dim mismatch: built for head_dim={head_dim}, got inputs with D={q.shape[-1]}")
     if n_heads is not None and q.shape[1] != n_heads:
-        raise ValueError(f"n_heads mismatch: built for n_heads={n_heads}, got {q.shape[1]} heads (dim 1 of "
-                         f"(B, H, T, D))")
+        raise ValueError(f"n_heads mismatch: built for n_heads={n_heads}, got {q.shape[1]} (dim 1 of (B, H, T, D))")
 
 
 # -----------------------------------------------------------------------------
 # 1. softmax attention, the reference
 
 def softmax_attention(q, k, v, causal=True, scale=None, attn_mask=None):
-    """softmax(q k^T * scale) v, scale = 1/sqrt(D) (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA.
-    attn_mask: bool, broadcastable to (B, H, T_q, T_k), True = may attend (used instead of causal).
-    k, v may have fewer heads than q (grouped-query attention: query head h uses key head h // (H / H_kv))."""
+    """softmax(q k^T * scale) v, scale = 1/sqrt(D) (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask:
+    bool, broadcastable to (B, H, T_q, T_k), True = may attend (replaces causal). k, v may have fewer heads than
+    q (grouped-query attention: query head h uses key head h // (H / H_kv))."""
     gqa = k.shape[1] != q.shape[1]
     if gqa and (q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]):
         raise ValueError(f"q {tuple(q.shape)}: its heads must be a multiple of k's {tuple(k.shape)}, same D")
@@ -98,16 +93,14 @@ class FeatureMap(nn.Module):
     absolute position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or,
     exp-based (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi).
 
-    Range of the exp-based maps (a real LLM's queries and keys are large: attention sinks): `features` divides
-    phi(q) by exp(c_q) and phi(k) by exp(c_k), detached shifts that cancel in every output:
-      c_q, per query: its largest log-feature (a factor of a whole attention row, gone in its normalisation);
-      c_k, ONE per sequence and head: 0, or u - KEY_RANGE once the largest key log-feature u passes KEY_RANGE
-           = 60 (key features <= e^60 leave float32 room for sums of 1e12 terms). A shared factor multiplies
-           numerator and denominator alike; a per-key shift would re-weight the keys and would not cancel.
-    While c_k = 0 no output depends on a later token, bit for bit; past KEY_RANGE a causal model's c_k also
-    depends on later keys (exactly cancelling in exact arithmetic, not in rounding). A decode state carries
-    c_k and raises it, rescaling S and z, when a larger key arrives. The exact kernel is
-    phi(q_t).phi(k_s) = exp(c_q_t + c_k) phi_q_t.phi_k_s (the window hybrid uses it). shift=False: no shifts."""
+    Range (a real LLM's queries and keys are large: attention sinks): `features` divides an exp-based phi(q)
+    by exp(c_q) and phi(k) by exp(c_k), detached shifts that cancel in every output. c_q: a query's largest
+    log-feature (a factor of one attention row, gone in its normalisation). c_k: ONE per sequence and head (a
+    per-key shift would re-weight the keys), 0 until the largest key log-feature u passes KEY_RANGE = 60, then
+    u - 60: key features <= e^60 leave float32 room for sums of 1e12 terms. While c_k = 0 no output depends on
+    a later token, bit for bit; past it a causal c_k includes later keys (cancelling exactly, but not in
+    rounding). Decode states carry c_k and raise it, rescaling S and z. phi(q_t).phi(k_s) =
+    exp(c_q_t + c_k) phi_q_t.phi_k_s exactly (the window hybrid uses it). shift=False: no shifts."""
 
     log_domain = False
     KEY_RANGE = 60.0
@@ -123,7 +116,7 @@ class FeatureMap(nn.Module):
 
     def features(self, q, k, offset=0, c_k=None):
         """(phi_q, phi_k, c_q (B, H, T), c_k (B, H)), phi(q) = phi_q exp(c_q), phi(k) = phi_k exp(c_k); the
-        shifts are 0 for maps that are not exp-based. c_k given (a decode state's) is raised, never lowered."""
+        shifts are 0 for maps that are not exp-based. A given c_k (a decode state's) is raised, never lowered."""
         _check_qk(q, k, self.head_dim, self.n_heads)
         q, k = _acc(q), _acc(k)
         if not self.log_domain:
@@ -138,9 +131,6 @@ class FeatureMap(nn.Module):
     def phi(self, x, which, offset):
         """The exact features of one side."""
         return torch.exp(self.log_phi(_acc(x), which, offset))
-
-    def extra_repr(self):
-        return f"head_dim={self.head_dim}, n_heads={self.n_heads}, feature_dim={self.feature_dim}"
 
 
 def _per_head_linear(x, weight, bias=None):
@@ -194,9 +184,9 @@ def _orthogonal_gaussian(n_heads, m, d, generator=None):
 
 class PerformerFeatureMap(FeatureMap):
     """FAVOR+ (Choromanski et al. 2020, Lemma 1, Eq. 7): phi(x) = exp(w_m . x' - |x'|^2 / 2) / sqrt(M),
-    x' = x D^-1/4, w_m orthogonal N(0, I) (buffer `omega`), so E[phi(q).phi(k)] = exp(q.k / sqrt(D)); M =
+    x' = x D^-1/4, w_m orthogonal N(0, I) (buffer omega), so E[phi(q).phi(k)] = exp(q.k / sqrt(D)); M =
     feature_dim (default 2D). stabilize=False drops FeatureMap's shifts; redraw_interval > 0 redraws the w_m
-    every that many training-mode calls; seed fixes the draws."""
+    every that many training-mode calls (the paper's feature redrawing); seed fixes the draws."""
 
     log_domain = True
 
@@ -234,8 +224,7 @@ class CosformerFeatureMap(FeatureMap):
             raise ValueError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len}; "
                              f"build the map with a larger max_len (the model's block_size)")
         angle = math.pi / (2 * self.max_len) * torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
-        x = F.relu(x)
-        return torch.cat([x * angle.cos()[:, None], x * angle.sin()[:, None]], dim=-1)
+        return torch.cat([F.relu(x) * angle.cos()[:, None], F.relu(x) * angle.sin()[:, None]], dim=-1)
 
 
 class TaylorFeatureMap(FeatureMap):
@@ -290,9 +279,12 @@ class HedgehogFeatureMap(FeatureMap):
 
     def phi(self, x, which, offset):
         u = self.project(x)
-        return {'softmax': lambda: torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1),
-                'exp': lambda: torch.exp(torch.cat([u, -u], -1)),
-                'elu': lambda: F.elu(u) + 1, 'relu': lambda: F.relu(u)}[self.activation]()
+        if self.activation == 'elu':
+            return F.elu(u) + 1
+        if self.activation == 'relu':
+            return F.relu(u)
+        f = torch.exp if self.log_domain else lambda t: torch.softmax(t, dim=-1)
+        return torch.cat([f(u), f(-u)], dim=-1)
 
     def log_phi(self, x, which, offset):
         u = self.project(x)
@@ -323,14 +315,13 @@ LLN_MATCH = ('paper', 'entropy', 'none')
 
 
 def _lln_log_weights(q, k, s2):
-    """log P for LLN's bidirectional attention with alpha = beta = sqrt(s2 / 2) on q, k (n, T, D), float64."""
-    a = math.sqrt(s2 / 2)
-    log_k = (torch.exp(a * q) @ torch.exp(a * k).transpose(-2, -1)).log()
+    """log P of LLN's bidirectional attention with alpha = beta = sqrt(s2 / 2) on q, k (n, T, D)."""
+    log_k = (torch.exp(math.sqrt(s2 / 2) * q) @ torch.exp(math.sqrt(s2 / 2) * k).transpose(-2, -1)).log()
     return log_k - log_k.logsumexp(-1, keepdim=True)
 
 
-def _gaussian_qk(g, n, T, D):
-    return [torch.randn(n, T, D, generator=g, dtype=torch.float64) for _ in range(2)]
+def _mean_row_entropy(log_w):
+    return -(log_w.exp() * log_w).sum(-1).mean().item()
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,14 +331,10 @@ def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
     matrix (bidirectional, n_tokens keys, q, k ~ N(0, I_D), float64). Our reading of App. A.7: at D = 64 it
     gives a = 0.1482, b = -0.3600 (published: 0.1486, -0.3549)."""
     grid, g = torch.linspace(1.0, 16.0, 16, dtype=torch.float64), torch.Generator().manual_seed(seed)
-    ys = torch.tensor([_lln_log_weights(*_gaussian_qk(g, reps, n_tokens, head_dim), s2).var().item()
-                       for s2 in grid.tolist()], dtype=torch.float64)
+    ys = [_lln_log_weights(*torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64), s2).var()
+          for s2 in grid.tolist()]
     A = torch.stack([grid, torch.ones_like(grid)], dim=1)
-    return tuple(torch.linalg.lstsq(A, ys[:, None]).solution.squeeze(1).tolist())
-
-
-def _mean_row_entropy(log_w):
-    return -(log_w.exp() * log_w).sum(-1).mean().item()
+    return tuple(torch.linalg.lstsq(A, torch.stack(ys)[:, None]).solution.squeeze(1).tolist())
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,7 +343,7 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     rows flatter than softmax's): for the softmax log-variance s^2 = 0, 0.5, .., 8, the s~^2 at which LLN's
     mean row entropy equals softmax's (bidirectional, n_tokens keys, q, k ~ N(0, I_D), float64), inverted by
     linear interpolation (LLN's entropy falls monotonically in s~^2). Returns (s^2 grid, s~^2 grid)."""
-    q, k = _gaussian_qk(torch.Generator().manual_seed(seed), reps, n_tokens, head_dim)
+    q, k = torch.randn(2, reps, n_tokens, head_dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
     h_sm = torch.tensor([_mean_row_entropy(torch.log_softmax(math.sqrt(s2) * dots, -1)) for s2 in s2_grid.tolist()],
@@ -379,13 +366,12 @@ def _interp(x, xp, fp):
 
 
 def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
-    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances (tensors), with
-    alpha s_q = beta s_k as in the paper: alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k, where s~^2
-    answers, for the softmax log-variance s^2 = s_q^2 s_k^2:
-      'paper':   the paper's question, equal log-variance of the attention: a s~^2 + b = s^2, (a, b) = lln_fit;
-      'entropy': equal mean row entropy on Gaussian inputs (lln_entropy_fit; linear beyond s^2 = 8);
-      'none':    alpha = beta = 1 (the paper's LLN without moment matching).
-    s~^2 / 2 is clamped at 1e-4 (the linear fit gives s~^2 < 0 when s^2 < b)."""
+    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances (tensors), alpha s_q =
+    beta s_k as in the paper: alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k, where s~^2 answers,
+    for the softmax log-variance s^2 = s_q^2 s_k^2: 'paper', the paper's question, equal log-variance of the
+    attention, a s~^2 + b = s^2 with (a, b) = lln_fit; 'entropy', equal mean row entropy on Gaussian inputs
+    (lln_entropy_fit, linear beyond s^2 = 8); 'none', alpha = beta = 1 (the paper's LLN without moment
+    matching). s~^2 / 2 is clamped at 1e-4 (the linear fit gives s~^2 < 0 when s^2 < b)."""
     _choose('LLN match', match, LLN_MATCH)
     if match == 'none':
         return torch.ones_like(sigma2_q), torch.ones_like(sigma2_k)
@@ -430,7 +416,7 @@ class LLNFeatureMap(FeatureMap):
         return lln_alpha_beta(self.sigma2_q.double(), self.sigma2_k.double(), self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
-        return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x
+        return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha q or beta k
 
     def features(self, q, k, offset=0, c_k=None):
         out = super().features(q, k, offset, c_k)
@@ -544,15 +530,12 @@ class AttnSpec:
 
 def _check_linear_inputs(phi_q, phi_k, v, impl, initial_state, impls=IMPLS):
     _choose('impl', impl, impls)
-    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape:
-        raise ValueError(f"phi_q {tuple(phi_q.shape)} and phi_k {tuple(phi_k.shape)} must both be (B, H, T, F)")
-    if v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
-        raise ValueError(f"v {tuple(v.shape)} must be (B, H, T, D) with the B, H, T of phi_k {tuple(phi_k.shape)}")
-    B, H, _, Fd = phi_k.shape
-    want = ((B, H, Fd, v.shape[-1]), (B, H, Fd))
-    if initial_state is not None and tuple(tuple(s.shape) for s in initial_state) != want:
-        raise ValueError(f"initial_state must be (S, z) of shapes {want}, got "
-                         f"{tuple(tuple(s.shape) for s in initial_state)}")
+    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
+        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got {tuple(phi_q.shape)}, "
+                         f"{tuple(phi_k.shape)}, {tuple(v.shape)}")
+    want = (phi_k.shape[:2] + (phi_k.shape[-1], v.shape[-1]), phi_k.shape[:2] + phi_k.shape[-1:])
+    if initial_state is not None and tuple(s.shape for s in initial_state) != want:
+        raise ValueError(f"initial_state must be (S, z) of shapes {want}, got {[s.shape for s in initial_state]}")
 
 
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None):
@@ -565,19 +548,17 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     D = v.shape[-1]
     S0, z0 = (q.new_zeros(B, H, Fd, D), q.new_zeros(B, H, Fd)) if initial_state is None else initial_state
     S0, z0 = S0.to(q.dtype), z0.to(q.dtype)
-    if impl == 'recurrent':  # one token at a time: S += phi_k_t v_t^T, z += phi_k_t, read out phi_q_t
+    if impl == 'recurrent' and causal:  # one token at a time: S += phi_k_t v_t^T, z += phi_k_t, read out phi_q_t
         S, z, nums, dens = S0, z0, [], []
         for t in range(T):
             S, z = S + torch.einsum('bhf,bhd->bhfd', k[:, :, t], v[:, :, t]), z + k[:, :, t]
             nums.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], S))
             dens.append(torch.einsum('bhf,bhf->bh', q[:, :, t], z))
-        if not causal:  # bidirectional: read out once the whole sequence is in the state
-            return q @ S, torch.einsum('bhtf,bhf->bht', q, z), (S, z)
         return torch.stack(nums, 2), torch.stack(dens, 2), (S, z)
     S_all, z_all = S0 + k.transpose(-2, -1) @ v, z0 + k.sum(-2)  # (B, H, F, D), (B, H, F)
-    if not causal and impl == 'chunked':  # one state over the whole sequence
+    if not causal and impl != 'quadratic':  # bidirectional: one state over the whole sequence
         return q @ S_all, torch.einsum('bhtf,bhf->bht', q, z_all), (S_all, z_all)
-    if impl == 'quadratic' or not causal:
+    if impl == 'quadratic':
         A = q @ k.transpose(-2, -1)  # (B, H, T, T), A_ts = phi_q_t . phi_k_s
         A = A.tril() if causal else A
         return A @ v + q @ S0, A.sum(-1) + torch.einsum('bhtf,bhf->bht', q, z0), (S_all, z_all)
@@ -597,10 +578,10 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chunk_size=64,
                      initial_state=None, return_state=False):
     """Normalised linear attention y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020):
-    phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y (B, H, T, D) in v's dtype, and with return_state the final
-    (S, z) in float32; initial_state (S_0, z_0) continues a sequence; causal=False: bidirectional (encoder).
-    impl 'chunked' runs the Triton kernel on CUDA where it fits (causal, F <= 256, D <= 128: Taylor's
-    F = 1 + D + D^2 does not); 'triton' insists on it."""
+    phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y (B, H, T, D) in v's dtype [and the final (S, z), float32];
+    initial_state (S_0, z_0) continues a sequence; causal=False: bidirectional (encoder). impl 'chunked' runs
+    the Triton kernel on CUDA where it fits (causal, F <= 256, D <= 128; not Taylor's 1 + D + D^2); 'triton'
+    insists on it."""
     _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
     Fd, D = phi_q.shape[-1], v.shape[-1]
     if impl == 'triton' or (impl == 'chunked' and causal and v.is_cuda and kernels.supports(Fd, D)):
@@ -615,11 +596,10 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chun
 
 
 def linear_attention_weights(phi_q, phi_k, causal=True, eps=EPS):
-    """The (B, H, T, T) matrix of linear attention weights phi_q_t . phi_k_s / (sum_s' ... + eps)."""
-    A = phi_q.float() @ phi_k.float().transpose(-2, -1)
-    if causal:
-        A = A.masked_fill(~causal_mask(A.shape[-2], A.shape[-1], A.device), 0.0)
-    return A / (A.sum(-1, keepdim=True) + eps)
+    """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
+    B, H, T, _ = phi_q.shape
+    eye = torch.eye(T, device=phi_q.device, dtype=_acc(phi_q).dtype).expand(B, H, T, T)
+    return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', eps)
 
 
 # -----------------------------------------------------------------------------
@@ -639,13 +619,22 @@ def _in_window(i, j, w, causal):
     return ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
 
 
+def _window_softmax(q, k, v, visible):
+    """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij =
+    q_i.k_j / sqrt(D), m_i the row's largest visible score (0 for a row that sees no key)."""
+    s = torch.einsum('...id,...jd->...ij', q, k).masked_fill(~visible, float('-inf')) * q.shape[-1] ** -0.5
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    a = torch.exp(s - m)
+    return a @ v, a.sum(-1), m[..., 0]
+
+
 def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
     """The window (softmax) and linear parts of the sliding-window hybrid combined, per query row (..):
-    num_w (.., D), den_w = sum_{j in W(i)} exp(s_ij - m_i) [v_j], m the row's largest window score; num_l
-    (.., D), den_l the linear sums of shifted features, whose exact mass is exp(c) den_l. y_w = num_w / den_w,
-    y_l = num_l / den_l, gamma or s = factor (H,):
-      joint (LoLCATs, ICLR 2025, Eq. 8, and its official code): one normalisation over both parts, window
-            weights gamma exp(s_ij - m_i), linear weights phi(q_i).phi(k_j): y = (gamma den_w y_w + E_l y_l) /
+    num_w (.., D), den_w, m from _window_softmax; num_l (.., D), den_l the linear sums of shifted features,
+    whose exact mass is exp(c) den_l. y_w = num_w / den_w, y_l = num_l / den_l, gamma or s = factor (H,):
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its official code): one normalisation, window weights
+            gamma exp(s_ij - m_i), linear weights phi(q_i).phi(k_j): y = (gamma den_w y_w + E_l y_l) /
             (gamma den_w + E_l), E_l = exp(c) den_l. m_i is NOT compensated: a window weight is <= gamma, on
             the feature kernel's scale (an exactly normalised window would outweigh any bounded kernel by
             exp(m_i), e^20 and more with attention sinks);
@@ -664,16 +653,15 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
 
 def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, key_padding_mask=None,
                             impl='chunked', chunk_size=64, c=None, combine='joint'):
-    """Sliding-window softmax + linear attention (LoLCATs-w). Window W(i) = {i - window < j <= i} (causal) or
-    {|i - j| < window}: softmax scores s_ij = q_i.k_j / sqrt(D); the other visible keys go through
-    phi(q_i).phi(k_j), with features shifted by c (B, H, T, default 0: the exact kernel is exp(c) phi_q.phi_k).
-    The parts combine by combine_window_linear. Memory O(T window + T F D / chunk): the window part in blocks
-    of `window` queries against 3 blocks of keys, the linear part with the keys shifted `window` steps."""
+    """Sliding-window softmax + linear attention (LoLCATs-w): softmax over the window W(i) = {i - window < j <=
+    i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other visible keys, with features shifted by
+    c (B, H, T, default 0: the exact kernel is exp(c) phi_q.phi_k), combined by combine_window_linear.
+    Memory O(T window + T F D / chunk): the window part in blocks of `window` queries against 3 blocks of
+    keys, the linear part with the keys shifted `window` steps."""
     B, H, T, D = q.shape
     w = window
     c = _acc(phi_q).new_zeros(B, H, T) if c is None else _acc(c)
     qb = F.pad(_acc(q), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, D)  # (B, H, n, w, D)
-    kb, vb = _band_blocks(_acc(k), w), _band_blocks(_acc(v), w)  # (B, H, n, 3w, D)
     n = qb.shape[2]
     i = (torch.arange(n, device=q.device) * w)[:, None, None] + torch.arange(w, device=q.device)[:, None]
     j = (torch.arange(n, device=q.device) * w - w)[:, None, None] + torch.arange(3 * w, device=q.device)
@@ -681,10 +669,9 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
     if key_padding_mask is not None:
         keep = _band_blocks(key_padding_mask[:, None, :, None].float(), w)[..., 0] > 0.5  # (B, 1, n, 3w)
         visible = visible & keep[:, :, :, None, :]
-    s = torch.einsum('bhnid,bhnjd->bhnij', qb, kb).masked_fill(~visible, float('-inf')) * D ** -0.5
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a padded query may see no window key
-    a = torch.exp(s - m)  # (B, H, n, w, 3w), 0 outside the window
+    cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
+    num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(_acc(k), w), _band_blocks(_acc(v), w),
+                                                        visible))
     pk = _acc(phi_k) if key_padding_mask is None else _acc(phi_k) * key_padding_mask[:, None, :, None]
     shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
     num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, impl, chunk_size)
@@ -692,9 +679,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
         num_r, den_r, _ = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, impl,
                                                  chunk_size)
         num_l, den_l = num_l + num_r.flip(2), den_l + den_r.flip(2)
-    cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
-    y, _ = combine_window_linear(cut(a @ vb), cut(a.sum(-1)), cut(m[..., 0]), num_l, den_l, c, factor, combine)
-    return y.to(v.dtype)
+    return combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine)[0].to(v.dtype)
 
 
 @torch.no_grad()
@@ -731,11 +716,6 @@ def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
 # -----------------------------------------------------------------------------
 # 6. the attention core of one layer
 
-def _kv(x, groups):
-    """GQA: (B, H / groups, T, D) -> (B, H, T, D), query head h reads key/value head h // groups (HF repeat_kv)."""
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-
 def _grow(cache, x, n):
     """Write x (B, H, T, D) at positions n, n+1, .. of a KV cache (B, H, capacity, D), doubling the capacity
     when it is full: one copy now and then instead of a copy of the whole cache at every token."""
@@ -745,12 +725,6 @@ def _grow(cache, x, n):
         cache = new
     cache[:, :, n:n + x.shape[2]] = x
     return cache
-
-
-def _moved(state, c_k):
-    """A decode state's S, z moved to the key shift c_k (>= its own), and the factor r = exp(c_old - c_k) (B, H)."""
-    r = torch.exp(state['c_k'] - c_k)
-    return state['S'] * r[..., None, None], state['z'] * r[..., None], r
 
 
 class Attention(nn.Module):
@@ -853,15 +827,24 @@ class Attention(nn.Module):
         y = softmax_attention(q, kc[:, :, :n + T], vc[:, :, :n + T], causal=False, attn_mask=mask)
         return y, {'kind': 'softmax', 'offset': n + T, 'k': kc, 'v': vc}
 
+    def _features(self, q, k, state):
+        """phi_q, phi_k, c_q, c_k and the state's S, z, phi_k moved to the new key shift c_k (or None)."""
+        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, 0 if state is None else state['offset'],
+                                                    None if state is None else state['c_k'])
+        if state is None:
+            return phi_q, phi_k, c_q, c_k, None
+        r = torch.exp(state['c_k'] - c_k)[..., None, None]  # (B, H, 1, 1)
+        moved = [state['S'] * r, state['z'] * r[..., 0]] + ([state['phi_k'] * r] if 'phi_k' in state else [])
+        return phi_q, phi_k, c_q, c_k, moved
+
     def _parallel(self, q, k, v, state, key_padding_mask, return_state):
         """All tokens at once: linear (from a state or not), or a hybrid from scratch. The state: (S, z) in units
         of exp(-c_k), the key shift c_k, and for a hybrid the tokens still in its window / partial block."""
         T, g, causal = q.shape[-2], self.kv_groups, self.causal
-        offset = 0 if state is None else state['offset']
-        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset, None if state is None else state['c_k'])
+        phi_q, phi_k, c_q, c_k, init = self._features(q, k, state)
         if key_padding_mask is not None:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
-        new = {'kind': self.kind, 'offset': offset + T, 'c_k': c_k}
+        new = {'kind': self.kind, 'offset': T + (0 if state is None else state['offset']), 'c_k': c_k}
         if self.kind == 'window':
             y = window_linear_attention(q, k, v, phi_q, phi_k, self.window, self.factor(), causal, key_padding_mask,
                                         self.impl, self.chunk_size, c_q + c_k[..., None], self.window_combine)
@@ -871,7 +854,6 @@ class Attention(nn.Module):
             return y, {**new, 'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, :cut], _acc(v[:, :, :cut])),
                        'z': phi_k[:, :, :cut].sum(-2), 'k': k[:, ::g, cut:].clone(), 'v': v[:, ::g, cut:].clone(),
                        'phi_k': phi_k[:, :, cut:].clone()}
-        init = None if state is None else _moved(state, c_k)[:2]
         y, (S, z) = linear_attention(phi_q, phi_k, v, causal, self.impl, EPS, self.chunk_size, init, True)
         if self.kind == 'diag':
             b = self.diag_block
@@ -881,9 +863,8 @@ class Attention(nn.Module):
 
     def _hybrid_step(self, q, k, v, state):
         """One decode token of a hybrid, from its constant-size state."""
-        g, offset, D = self.kv_groups, state['offset'], self.head_dim
-        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset, state['c_k'])
-        S, z, r = _moved(state, c_k)
+        g, offset = self.kv_groups, state['offset']
+        phi_q, phi_k, c_q, c_k, (S, z, *pkw) = self._features(q, k, state)
         kw, vw = torch.cat([state['k'], k[:, ::g]], 2), torch.cat([state['v'], v[:, ::g]], 2)  # (B, H_kv, <=w, D)
         new = {'kind': self.kind, 'offset': offset + 1, 'c_k': c_k}
         if self.kind == 'diag':  # the token's block: the buffered partial block and itself
@@ -892,17 +873,15 @@ class Attention(nn.Module):
             y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False).to(y.dtype))
             keep = kw.shape[2] if (offset + 1) % self.diag_block else 0  # a full block empties the buffer
             return y, {**new, 'S': S, 'z': z, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
-        pkw = torch.cat([state['phi_k'] * r[..., None, None], phi_k], 2)  # (B, H, <=w, F)
-        s = torch.einsum('bhd,bhjd->bhj', _acc(q[:, :, 0]), _acc(_kv(kw, g))) * D ** -0.5  # (B, H, <=w)
-        a = torch.exp(s - s.amax(-1, keepdim=True))
-        y, _ = combine_window_linear(torch.einsum('bhj,bhjd->bhd', a, _acc(_kv(vw, g))), a.sum(-1), s.amax(-1),
-                                     torch.einsum('bhf,bhfd->bhd', phi_q[:, :, 0], S),
-                                     torch.einsum('bhf,bhf->bh', phi_q[:, :, 0], z), c_q[:, :, 0] + c_k,
+        pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
+        kv = lambda x: _acc(x.repeat_interleave(g, 1))  # noqa: E731, GQA: query head h reads kv head h // g
+        num_w, den_w, m = _window_softmax(_acc(q), kv(kw), kv(vw), torch.ones((), dtype=torch.bool, device=q.device))
+        y, _ = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + c_k[..., None],
                                      self.factor(), self.window_combine)
         if kw.shape[2] == self.window:  # the oldest token leaves the window for the linear state
-            S = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], _acc(_kv(vw[:, :, :1], g)[:, :, 0]))
+            S = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], kv(vw[:, :, :1])[:, :, 0])
             z, kw, vw, pkw = z + pkw[:, :, 0], kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:]
-        return y[:, :, None].to(v.dtype), {**new, 'S': S, 'z': z, 'k': kw, 'v': vw, 'phi_k': pkw}
+        return y.to(v.dtype), {**new, 'S': S, 'z': z, 'k': kw, 'v': vw, 'phi_k': pkw}
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""
@@ -923,8 +902,7 @@ def state_nbytes(state):
 
 def attention_entropy(w, eps=1e-12):
     """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4)."""
-    w = w.float()
-    return -(w * (w + eps).log()).sum(-1)
+    return -(w.float() * (w.float() + eps).log()).sum(-1)
 
 
 def spectral_gap(w):
