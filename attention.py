@@ -35,24 +35,20 @@ import kernels
 
 EPS = 1e-20  # the denominator's eps, y = num / (den + EPS) in float32: it only guards 0 / 0
 
-
 def _acc(x):
     """x in its accumulation dtype: float32, or float64 when given float64 (for float64 reference checks)."""
     return x.double() if x.dtype == torch.float64 else x.float()
-
 
 def _choose(what, value, choices):
     if value not in choices:
         raise ValueError(f"unknown {what} {value!r}; choose one of: {', '.join(map(str, choices))}")
 
-
-def _check_qk(q, k, head_dim=None, n_heads=None):
+def _check_qk(q, k, head_dim, n_heads):
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
-    if head_dim is not None and q.shape[-1] != head_dim:
-        raise ValueError(f"head_dim mismatch: built for head_dim={head_dim}, got inputs with D={q.shape[-1]}")
-    if n_heads is not None and q.shape[1] != n_heads:
-        raise ValueError(f"n_heads mismatch: built for n_heads={n_heads}, got {q.shape[1]} (dim 1 of (B, H, T, D))")
+    if (q.shape[1], q.shape[-1]) != (n_heads, head_dim):
+        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got (B, H, T, D) = "
+                         f"{tuple(q.shape)}")
 
 
 # -----------------------------------------------------------------------------
@@ -60,29 +56,19 @@ def _check_qk(q, k, head_dim=None, n_heads=None):
 
 def softmax_attention(q, k, v, causal=True, scale=None, attn_mask=None):
     """softmax(q k^T * scale) v, scale = 1/sqrt(D) (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask:
-    bool, broadcastable to (B, H, T_q, T_k), True = may attend (replaces causal). k, v may have fewer heads than
-    q (grouped-query attention: query head h uses key head h // (H / H_kv))."""
-    gqa = k.shape[1] != q.shape[1]
-    if gqa and (q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]):
-        raise ValueError(f"q {tuple(q.shape)}: its heads must be a multiple of k's {tuple(k.shape)}, same D")
-    if not gqa:
-        _check_qk(q, k)
+    bool (B, H, T_q, T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
     causal = causal and attn_mask is None and q.shape[-2] > 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
-
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 def causal_mask(T_q, T_k, device=None):
     """(T_q, T_k) bool, True where query i (at absolute position T_k - T_q + i) may see key j."""
     return torch.arange(T_k, device=device) <= torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
 
-
 def softmax_weights(q, k, causal=True, scale=None):
-    """The (B, H, T, T) matrix of softmax attention weights, in float32."""
-    _check_qk(q, k)
-    scores = (q.float() @ k.float().transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float('-inf'))
-    return torch.softmax(scores, dim=-1)
+    """The (B, H, T, T) matrix of softmax attention, float32: its output for the identity matrix as values."""
+    eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
+    return softmax_attention(q.float(), k.float(), eye, causal, scale)
 
 
 # -----------------------------------------------------------------------------
@@ -107,8 +93,6 @@ class FeatureMap(nn.Module):
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
-        if head_dim < 1 or n_heads < 1:
-            raise ValueError(f"head_dim and n_heads must be positive, got {head_dim}, {n_heads}")
         self.head_dim, self.n_heads, self.feature_dim, self.shift = head_dim, n_heads, head_dim, True
 
     def forward(self, q, k, offset=0):
@@ -132,12 +116,10 @@ class FeatureMap(nn.Module):
         """The exact features of one side."""
         return torch.exp(self.log_phi(_acc(x), which, offset))
 
-
 def _per_head_linear(x, weight, bias=None):
     """One Linear per head: x (B, H, T, D), weight (H, F, D), bias (H, F) -> (B, H, T, F)."""
     y = torch.einsum('bhtd,hfd->bhtf', x, weight.to(x.dtype))
     return y if bias is None else y + bias.to(x.dtype)[None, :, None, :]
-
 
 class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D, no parameters."""
@@ -145,13 +127,11 @@ class EluFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         return F.elu(x) + 1
 
-
 class ReluFeatureMap(FeatureMap):
     """phi(x) = ReLU(x) (Kasai et al. 2021; cosFormer, Qin et al. 2022, without its re-weighting); F = D."""
 
     def phi(self, x, which, offset):
         return F.relu(x)
-
 
 class T2RFeatureMap(FeatureMap):
     """phi(x) = ReLU(W x + b), trained, shared by q and k (T2R, Kasai et al. 2021, Eq. 4); per head W (F, D),
@@ -167,11 +147,9 @@ class T2RFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         return F.relu(_per_head_linear(x, self.weight, self.bias))
 
-
 def _orthogonal_gaussian(n_heads, m, d, generator=None):
     """(n_heads, m, d) orthogonal random features (Choromanski et al. 2020, Sec. 2.4): blocks of d orthogonal
-    rows (QR of a Gaussian, R's diagonal signs folded into Q so the rotation is Haar), each row rescaled to the
-    norm of an independent N(0, I_d) draw, so every row is marginally N(0, I_d)."""
+    rows (QR of a Gaussian, signs fixed so the rotation is Haar), each rescaled to a N(0, I_d) draw's norm."""
     heads = []
     for _ in range(n_heads):
         blocks = []
@@ -181,12 +159,10 @@ def _orthogonal_gaussian(n_heads, m, d, generator=None):
         heads.append(torch.cat(blocks)[:m] * torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True))
     return torch.stack(heads)
 
-
 class PerformerFeatureMap(FeatureMap):
     """FAVOR+ (Choromanski et al. 2020, Lemma 1, Eq. 7): phi(x) = exp(w_m . x' - |x'|^2 / 2) / sqrt(M),
-    x' = x D^-1/4, w_m orthogonal N(0, I) (buffer omega), so E[phi(q).phi(k)] = exp(q.k / sqrt(D)); M =
-    feature_dim (default 2D). stabilize=False drops FeatureMap's shifts; redraw_interval > 0 redraws the w_m
-    every that many training-mode calls (the paper's feature redrawing); seed fixes the draws."""
+    x' = x D^-1/4, w_m orthogonal N(0, I) (buffer omega): E[phi(q).phi(k)] = exp(q.k / sqrt(D)). M = feature_dim
+    (default 2D); stabilize=False: no shifts; redraw_interval > 0: new w_m every that many training calls."""
 
     log_domain = True
 
@@ -208,11 +184,10 @@ class PerformerFeatureMap(FeatureMap):
         x = x * self.head_dim ** -0.25
         return _per_head_linear(x, self.omega) - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(self.feature_dim)
 
-
 class CosformerFeatureMap(FeatureMap):
     """cosFormer (Qin et al. 2022, Eq. 9-11): phi(x_i) = [ReLU(x_i) cos(pi i / 2M), ReLU(x_i) sin(pi i / 2M)],
-    so phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len (default 2048; the
-    model passes its context length) is fixed, so no output depends on how many tokens follow; i < M."""
+    so phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len (default 2048, the
+    model's context length), fixed: no output depends on the tokens that follow (the paper uses the length)."""
 
     def __init__(self, head_dim, n_heads, max_len=2048):
         super().__init__(head_dim, n_heads)
@@ -226,7 +201,6 @@ class CosformerFeatureMap(FeatureMap):
         angle = math.pi / (2 * self.max_len) * torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
         return torch.cat([F.relu(x) * angle.cos()[:, None], F.relu(x) * angle.sin()[:, None]], dim=-1)
 
-
 class TaylorFeatureMap(FeatureMap):
     """2nd-order Taylor of exp (Hedgehog Sec. 4.1; Based, Arora et al. 2024): phi(x) = [1, x / D^1/4,
     vec(x x^T) / sqrt(2D)], so phi(q).phi(k) = 1 + s + s^2 / 2, s = q.k / sqrt(D); F = 1 + D + D^2."""
@@ -238,7 +212,6 @@ class TaylorFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         x2 = torch.einsum('bhti,bhtj->bhtij', x, x).flatten(-2) / math.sqrt(2 * self.head_dim)
         return torch.cat([torch.ones_like(x[..., :1]), x * self.head_dim ** -0.25, x2], dim=-1)
-
 
 class ExpFeatureMap(FeatureMap):
     """phi(x) = exp(t x) elementwise, t = temperature (default 1) (Hedgehog Sec. 3.2: spiky but not monotonic in
@@ -252,7 +225,6 @@ class ExpFeatureMap(FeatureMap):
 
     def log_phi(self, x, which, offset):
         return self.temperature * x
-
 
 class HedgehogFeatureMap(FeatureMap):
     """Hedgehog (Zhang et al. 2024, Eq. 3, 5-6): u = W x + b, a Linear(D, F/2) per head shared by q and k,
@@ -290,16 +262,13 @@ class HedgehogFeatureMap(FeatureMap):
         u = self.project(x)
         return torch.cat([u, -u], dim=-1)
 
-
 LOLCATS_ACTIVATIONS = ('softmax', 'exp', 'elu', 'relu')
-
 
 class LolcatsFeatureMap(HedgehogFeatureMap):
     """LoLCATs (Zhang et al. 2025, Eq. 6, Table 1): phi(x) = f(u), u = x W + b + x, a per-head Linear(D, F')
-    with a skip connection (its first min(D, F') coordinates), init W = 0, b = 0 (the map starts as f(x)).
-    f = activation: 'softmax' [softmax(u), softmax(-u)] (default) or 'exp' [exp(u), exp(-u)], F = 2F';
-    'elu' 1 + ELU(u) or 'relu' ReLU(u), F = F'. F = feature_dim, default 2D or D. Unlike the official code we
-    do not clamp features at 1e-12 (the exp map stays exact, shifted as in FeatureMap)."""
+    with a skip connection (its first min(D, F') coordinates), init W = 0, b = 0. activation f: 'softmax'
+    [softmax(u), softmax(-u)] or 'exp' [exp(u), exp(-u)], F = 2F' (default 2D); 'elu' 1 + ELU(u) or 'relu'
+    ReLU(u), F = F' (default D). Unlike the official code, no clamp of the features at 1e-12."""
 
     def __init__(self, head_dim, n_heads, feature_dim=None, activation='softmax'):
         FeatureMap.__init__(self, head_dim, n_heads)
@@ -310,39 +279,32 @@ class LolcatsFeatureMap(HedgehogFeatureMap):
         width = self.weight.shape[1]
         return super().project(x) + F.pad(x[..., :width], (0, max(width - self.head_dim, 0)))
 
-
 LLN_MATCH = ('paper', 'entropy', 'none')
-
 
 def _lln_log_weights(q, k, s2):
     """log P of LLN's bidirectional attention with alpha = beta = sqrt(s2 / 2) on q, k (n, T, D)."""
     log_k = (torch.exp(math.sqrt(s2 / 2) * q) @ torch.exp(math.sqrt(s2 / 2) * k).transpose(-2, -1)).log()
     return log_k - log_k.logsumexp(-1, keepdim=True)
 
-
 def _mean_row_entropy(log_w):
     return -(log_w.exp() * log_w).sum(-1).mean().item()
-
 
 @functools.lru_cache(maxsize=None)
 def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
     """(a, b) of LLN's variance model sigma_lln^2 = a s~^2 + b, s~^2 = alpha^2 s_q^2 + beta^2 s_k^2 (Nahshan et
-    al. 2023, Eq. 10, App. A.7): least squares through s~^2 = 1..16 against Var[log P_ij] of the LLN attention
-    matrix (bidirectional, n_tokens keys, q, k ~ N(0, I_D), float64). Our reading of App. A.7: at D = 64 it
-    gives a = 0.1482, b = -0.3600 (published: 0.1486, -0.3549)."""
+    al. 2023, Eq. 10, App. A.7, as we read it): a line through Var[log P_ij] of LLN attention at s~^2 = 1..16
+    (n_tokens keys, q, k ~ N(0, I_D)). D = 64: a = 0.1482, b = -0.3600 (published: 0.1486, -0.3549)."""
     grid, g = torch.linspace(1.0, 16.0, 16, dtype=torch.float64), torch.Generator().manual_seed(seed)
     ys = [_lln_log_weights(*torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64), s2).var()
           for s2 in grid.tolist()]
     A = torch.stack([grid, torch.ones_like(grid)], dim=1)
     return tuple(torch.linalg.lstsq(A, torch.stack(ys)[:, None]).solution.squeeze(1).tolist())
 
-
 @functools.lru_cache(maxsize=None)
 def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.5):
-    """match='entropy' (ours, not the paper's: LLN Fig. 2 in docs/RESULTS.md shows moment matching leaves LLN's
-    rows flatter than softmax's): for the softmax log-variance s^2 = 0, 0.5, .., 8, the s~^2 at which LLN's
-    mean row entropy equals softmax's (bidirectional, n_tokens keys, q, k ~ N(0, I_D), float64), inverted by
-    linear interpolation (LLN's entropy falls monotonically in s~^2). Returns (s^2 grid, s~^2 grid)."""
+    """match='entropy' (ours: LLN Fig. 2 in docs/RESULTS.md shows moment matching leaves LLN's rows flatter
+    than softmax's): for s^2 = 0, 0.5, .., 8 the s~^2 at which LLN's mean row entropy equals softmax's (n_tokens
+    keys, q, k ~ N(0, I_D)); LLN's entropy falls monotonically in s~^2. Returns (s^2 grid, s~^2 grid)."""
     q, k = torch.randn(2, reps, n_tokens, head_dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
@@ -358,20 +320,17 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
                            f"at head_dim={head_dim}, n_tokens={n_tokens}")
     return s2_grid, _interp(-h_sm, -h_lln, torch.tensor(xs, dtype=torch.float64))
 
-
 def _interp(x, xp, fp):
     """Piecewise-linear interpolation of the points (xp, fp) at x, xp increasing; linear beyond both ends."""
     i = torch.searchsorted(xp, x).clamp(1, len(xp) - 1)
     return fp[i - 1] + (fp[i] - fp[i - 1]) * (x - xp[i - 1]) / (xp[i] - xp[i - 1])
 
-
 def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
-    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances (tensors), alpha s_q =
-    beta s_k as in the paper: alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k, where s~^2 answers,
-    for the softmax log-variance s^2 = s_q^2 s_k^2: 'paper', the paper's question, equal log-variance of the
-    attention, a s~^2 + b = s^2 with (a, b) = lln_fit; 'entropy', equal mean row entropy on Gaussian inputs
-    (lln_entropy_fit, linear beyond s^2 = 8); 'none', alpha = beta = 1 (the paper's LLN without moment
-    matching). s~^2 / 2 is clamped at 1e-4 (the linear fit gives s~^2 < 0 when s^2 < b)."""
+    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances, alpha s_q = beta s_k:
+    alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k. For the softmax log-variance s^2 = s_q^2 s_k^2,
+    s~^2 answers: 'paper' (the paper's question) equal log-variance of the attention, a s~^2 + b = s^2, (a, b)
+    = lln_fit; 'entropy' equal mean row entropy on Gaussian inputs (lln_entropy_fit); 'none' alpha = beta = 1
+    (the paper's ablation). s~^2 / 2 >= 1e-4 (the fit gives s~^2 < 0 when s^2 < b)."""
     _choose('LLN match', match, LLN_MATCH)
     if match == 'none':
         return torch.ones_like(sigma2_q), torch.ones_like(sigma2_k)
@@ -385,13 +344,11 @@ def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
     half = (x / 2).clamp_min(1e-4).sqrt()
     return half / sigma2_q.sqrt(), half / sigma2_k.sqrt()
 
-
 class LLNFeatureMap(FeatureMap):
     """Linear Log-Normal attention (Nahshan et al. 2023, Eq. 9-10): phi_q = exp(alpha q), phi_k = exp(beta k),
-    alpha, beta per head from the query/key variances by lln_alpha_beta(.., match); F = D. The official code
-    takes the variances over the whole batch and sequence, so a token's features depend on later tokens; here
-    they are buffers (init 1): set by calibrate(q, k), and in training mode an exponential moving average
-    (momentum, default 0.1) updated AFTER each forward, from earlier batches only; frozen in eval mode."""
+    alpha, beta per head by lln_alpha_beta(.., match); F = D. The variances (the official code: of the whole
+    batch and sequence, later tokens included) are buffers, init 1: set by calibrate(q, k); in training an
+    exponential moving average (momentum 0.1) updated AFTER each forward, so causal; frozen in eval mode."""
 
     log_domain = True
 
@@ -425,12 +382,10 @@ class LLNFeatureMap(FeatureMap):
             self.sigma2_k.lerp_(self._head_var(k).to(self.sigma2_k.dtype), self.momentum)
         return out
 
-
 class DoFFeatureMap(FeatureMap):
     """Learned weighted positive random features (DoF paper, Sec. 3, Eq. 8): phi(x)_m = sqrt(a_m / M)
-    exp(z_m . x / D^1/4 - |x|^2 / (2 sqrt(D))), m = 1..M per head; z_m init orthogonal N(0, I) (trained),
-    a_m = exp(log_a_m), log_a init 0, so at init phi(q).phi(k) is Performer's unbiased estimate of
-    exp(q.k / sqrt(D)). M = feature_dim (default D; convert.py's DoF selection picks it per layer)."""
+    exp(z_m . x / D^1/4 - |x|^2 / (2 sqrt(D))) per head, z_m init orthogonal N(0, I), a_m = exp(log_a_m), log_a
+    init 0 (Performer's unbiased estimate at init); both trained. M = feature_dim (default D)."""
 
     log_domain = True
 
@@ -446,13 +401,11 @@ class DoFFeatureMap(FeatureMap):
         u = _per_head_linear(x, self.z) * D ** -0.25 - (x * x).sum(-1, keepdim=True) / (2 * math.sqrt(D))
         return u + 0.5 * self.log_a.to(x.dtype)[None, :, None, :] - 0.5 * math.log(M)
 
-
 FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureMap, 'performer': PerformerFeatureMap,
                 'cosformer': CosformerFeatureMap, 'taylor': TaylorFeatureMap, 'exp': ExpFeatureMap,
                 'hedgehog': HedgehogFeatureMap, 'lolcats': LolcatsFeatureMap, 'lln': LLNFeatureMap,
                 'dof': DoFFeatureMap}
 ATTN_CHOICES = ['softmax'] + list(FEATURE_MAPS)
-
 
 def make_feature_map(name, head_dim, n_heads, **options):
     """FEATURE_MAPS[name](head_dim, n_heads, **options), the options checked as AttnSpec checks them."""
@@ -468,14 +421,12 @@ IMPLS = ('quadratic', 'chunked', 'recurrent', 'triton')
 WINDOW_COMBINES = ('joint', 'mix')
 OPTION_ALIASES = {'t': 'temperature', 'f': 'feature_dim'}
 
-
 @dataclass(frozen=True)
 class AttnSpec:
-    """The attention of a layer, written 'name[:key=value..]' (parse reads it, str() writes it back without the
-    defaults): 'softmax', 'hedgehog:feature_dim=64', 'lolcats:window=64:combine=mix', 'lln:diag_block=64',
-    'exp:t=2'. Keys window, combine, diag_block, impl are the fields below; any other key is an option of the
-    map (t = temperature, f = feature_dim), its value read as JSON where it parses (64, 2.0, true). A changed
-    copy: dataclasses.replace(spec, impl='recurrent'); options may be given as a dict."""
+    """The attention of a layer as 'name[:key=value..]': 'softmax', 'hedgehog:feature_dim=64', 'exp:t=2',
+    'lolcats:window=64:combine=mix', 'lln:diag_block=64'. parse reads it, str() writes it without defaults. Keys
+    other than the fields are the map's options (t = temperature, f = feature_dim), values JSON where they parse.
+    A changed copy: dataclasses.replace(spec, impl='recurrent') (options may be a dict)."""
     name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
     window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs)
     combine: str = 'joint'    # the window form: joint | mix
@@ -533,55 +484,42 @@ def _check_linear_inputs(phi_q, phi_k, v, impl, initial_state, impls=IMPLS):
     if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
         raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got {tuple(phi_q.shape)}, "
                          f"{tuple(phi_k.shape)}, {tuple(v.shape)}")
-    want = (phi_k.shape[:2] + (phi_k.shape[-1], v.shape[-1]), phi_k.shape[:2] + phi_k.shape[-1:])
-    if initial_state is not None and tuple(s.shape for s in initial_state) != want:
-        raise ValueError(f"initial_state must be (S, z) of shapes {want}, got {[s.shape for s in initial_state]}")
-
 
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None):
-    """Unnormalised linear attention in PyTorch (impl quadratic | chunked | recurrent): num_t = phi_q_t^T S_t
-    (B, H, T, D), den_t = phi_q_t^T z_t (B, H, T) and the final state (S, z), float32, with S_t, z_t over
-    s <= t (causal) or all s (bidirectional), starting from initial_state (S_0, z_0)."""
+    """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D), den_t = phi_q_t^T z_t
+    (B, H, T) and the final (S, z), float32; S_t, z_t over s <= t (causal) or all s, from initial_state. The
+    normaliser rides along as a value column of ones: [S | z] = sum_s phi_k_s [v_s | 1]^T, (B, H, F, D + 1)."""
     _check_linear_inputs(phi_q, phi_k, v, impl, initial_state, IMPLS[:3])
-    q, k, v = _acc(phi_q), _acc(phi_k), _acc(v)
+    q, k, v1 = _acc(phi_q), _acc(phi_k), F.pad(_acc(v), (0, 1), value=1.0)  # v1 = [v | 1] (B, H, T, D + 1)
     B, H, T, Fd = q.shape
-    D = v.shape[-1]
-    S0, z0 = (q.new_zeros(B, H, Fd, D), q.new_zeros(B, H, Fd)) if initial_state is None else initial_state
-    S0, z0 = S0.to(q.dtype), z0.to(q.dtype)
-    if impl == 'recurrent' and causal:  # one token at a time: S += phi_k_t v_t^T, z += phi_k_t, read out phi_q_t
-        S, z, nums, dens = S0, z0, [], []
+    Sz0 = q.new_zeros(B, H, Fd, v1.shape[-1]) if initial_state is None else \
+        torch.cat([initial_state[0], initial_state[1][..., None]], -1).to(q.dtype)
+    Sz = Sz0 + k.transpose(-2, -1) @ v1  # the final state, all tokens in
+    if not causal:  # bidirectional: quadratic materialises phi_q phi_k^T, the others read out one state
+        out = q @ k.transpose(-2, -1) @ v1 + q @ Sz0 if impl == 'quadratic' else q @ Sz
+    elif impl == 'quadratic':
+        out = (q @ k.transpose(-2, -1)).tril() @ v1 + q @ Sz0  # A_ts = phi_q_t . phi_k_s, s <= t
+    elif impl == 'recurrent':  # one token at a time: [S | z] += phi_k_t [v_t | 1]^T, read out phi_q_t
+        outs, Sz = [], Sz0
         for t in range(T):
-            S, z = S + torch.einsum('bhf,bhd->bhfd', k[:, :, t], v[:, :, t]), z + k[:, :, t]
-            nums.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], S))
-            dens.append(torch.einsum('bhf,bhf->bh', q[:, :, t], z))
-        return torch.stack(nums, 2), torch.stack(dens, 2), (S, z)
-    S_all, z_all = S0 + k.transpose(-2, -1) @ v, z0 + k.sum(-2)  # (B, H, F, D), (B, H, F)
-    if not causal and impl != 'quadratic':  # bidirectional: one state over the whole sequence
-        return q @ S_all, torch.einsum('bhtf,bhf->bht', q, z_all), (S_all, z_all)
-    if impl == 'quadratic':
-        A = q @ k.transpose(-2, -1)  # (B, H, T, T), A_ts = phi_q_t . phi_k_s
-        A = A.tril() if causal else A
-        return A @ v + q @ S0, A.sum(-1) + torch.einsum('bhtf,bhf->bht', q, z0), (S_all, z_all)
-    # chunked, causal: intra-chunk quadratic (masked) + the state carried across chunks by a cumsum, memory
-    # O(T F D / C). The normaliser rides along as a value column of ones: [S | z] = sum phi_k [v | 1]^T.
-    C = chunk_size
-    n = math.ceil(T / C)
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # (B, H, T, D + 1)
-    q, k, v1 = (F.pad(t, (0, 0, 0, n * C - T)).view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B, H, n, C, *)
-    Sz0 = torch.cat([S0, z0[..., None]], -1)[:, :, None]  # (B, H, 1, F, D + 1)
-    Sz = Sz0 + torch.cumsum(k.transpose(-2, -1) @ v1, dim=2)  # (B, H, n, F, D + 1): [S | z] after each chunk
-    out = (q @ k.transpose(-2, -1)).tril() @ v1 + q @ torch.cat([Sz0, Sz[:, :, :-1]], 2)  # (B, H, n, C, D + 1)
-    out = out.reshape(B, H, n * C, D + 1)[:, :, :T]
-    return out[..., :D], out[..., D], (Sz[:, :, -1, :, :D], Sz[:, :, -1, :, D])
+            Sz = Sz + torch.einsum('bhf,bhd->bhfd', k[:, :, t], v1[:, :, t])
+            outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], Sz))
+        out = torch.stack(outs, 2)
+    else:  # chunked: intra-chunk quadratic + the state carried across chunks by a cumsum, O(T F D / C) memory
+        C, n = chunk_size, math.ceil(T / chunk_size)
+        q, k, v1 = (F.pad(t, (0, 0, 0, n * C - T)).view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B, H, n, C, *)
+        after = torch.cumsum(k.transpose(-2, -1) @ v1, dim=2)  # (B, H, n, F, D + 1): [S | z] after each chunk
+        before = Sz0[:, :, None] + F.pad(after[:, :, :-1], (0, 0, 0, 0, 1, 0))  # and before it (not cumsum - x)
+        out = ((q @ k.transpose(-2, -1)).tril() @ v1 + q @ before).reshape(B, H, n * C, -1)[:, :, :T]
+    D = v1.shape[-1] - 1
+    return out[..., :D], out[..., D], (Sz[..., :D], Sz[..., D])
 
 
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chunk_size=64,
                      initial_state=None, return_state=False):
-    """Normalised linear attention y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020):
-    phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y (B, H, T, D) in v's dtype [and the final (S, z), float32];
-    initial_state (S_0, z_0) continues a sequence; causal=False: bidirectional (encoder). impl 'chunked' runs
-    the Triton kernel on CUDA where it fits (causal, F <= 256, D <= 128; not Taylor's 1 + D + D^2); 'triton'
-    insists on it."""
+    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020): phi_q, phi_k (B, H, T, F), v
+    (B, H, T, D) -> y in v's dtype [, final (S, z) float32]; initial_state (S_0, z_0) continues a sequence.
+    impl 'chunked' runs the Triton kernel on CUDA where it fits (causal, F <= 256, D <= 128); 'triton' insists."""
     _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
     Fd, D = phi_q.shape[-1], v.shape[-1]
     if impl == 'triton' or (impl == 'chunked' and causal and v.is_cuda and kernels.supports(Fd, D)):
@@ -593,7 +531,6 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chun
     num, den, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state)
     y = (num / (den[..., None] + eps)).to(v.dtype)
     return (y, state) if return_state else y
-
 
 def linear_attention_weights(phi_q, phi_k, causal=True, eps=EPS):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
@@ -613,11 +550,9 @@ def _band_blocks(x, w):
     x = F.pad(x, (0, 0, w, (n + 1) * w - T))  # (B, H, (n + 2) w, E)
     return torch.cat([x[:, :, i * w:(i + n) * w].reshape(B, H, n, w, E) for i in range(3)], dim=3)
 
-
 def _in_window(i, j, w, causal):
     """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees the rest."""
     return ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
-
 
 def _window_softmax(q, k, v, visible):
     """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij =
@@ -628,19 +563,16 @@ def _window_softmax(q, k, v, visible):
     a = torch.exp(s - m)
     return a @ v, a.sum(-1), m[..., 0]
 
-
 def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
-    """The window (softmax) and linear parts of the sliding-window hybrid combined, per query row (..):
-    num_w (.., D), den_w, m from _window_softmax; num_l (.., D), den_l the linear sums of shifted features,
-    whose exact mass is exp(c) den_l. y_w = num_w / den_w, y_l = num_l / den_l, gamma or s = factor (H,):
-      joint (LoLCATs, ICLR 2025, Eq. 8, and its official code): one normalisation, window weights
-            gamma exp(s_ij - m_i), linear weights phi(q_i).phi(k_j): y = (gamma den_w y_w + E_l y_l) /
-            (gamma den_w + E_l), E_l = exp(c) den_l. m_i is NOT compensated: a window weight is <= gamma, on
-            the feature kernel's scale (an exactly normalised window would outweigh any bounded kernel by
-            exp(m_i), e^20 and more with attention sinks);
-      mix   (LoLCATs workshop paper, Eq. 8): y = s y_w + (1 - s) y_l.
-    Masses are compared in log space. A row without linear keys is the window part, one without window keys
-    (a padded query) the linear part, 0 with neither. Returns (y float32, p the window part's weight (..))."""
+    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
+    _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i)
+            and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are
+            <= gamma, on the kernel's scale (an exact softmax window would outweigh it by exp(m_i), e^20 and
+            more with attention sinks);
+      mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
+    Masses compare in log space. A row without linear keys is the window part, one without window keys the
+    linear part, 0 with neither. Returns (y float32, p the window part's weight)."""
     has_w, has_l = den_w > 0, den_l > 0
     one = torch.ones_like(den_w)
     den_w, den_l = torch.where(has_w, den_w, one), torch.where(has_l, den_l, one)
@@ -650,14 +582,11 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     p = torch.where(has_w, torch.where(has_l, p, one), 0 * one)[..., None]
     return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None], p[..., 0]
 
-
 def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, key_padding_mask=None,
                             impl='chunked', chunk_size=64, c=None, combine='joint'):
-    """Sliding-window softmax + linear attention (LoLCATs-w): softmax over the window W(i) = {i - window < j <=
-    i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other visible keys, with features shifted by
-    c (B, H, T, default 0: the exact kernel is exp(c) phi_q.phi_k), combined by combine_window_linear.
-    Memory O(T window + T F D / chunk): the window part in blocks of `window` queries against 3 blocks of
-    keys, the linear part with the keys shifted `window` steps."""
+    """Sliding-window softmax + linear attention (LoLCATs-w): softmax over W(i) = {i - window < j <= i} (causal)
+    or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c) phi_q.phi_k, c (B, H, T)).
+    O(T window + T F D / chunk) memory: windows in blocks of `window` queries, linear keys shifted `window`."""
     B, H, T, D = q.shape
     w = window
     c = _acc(phi_q).new_zeros(B, H, T) if c is None else _acc(c)
@@ -681,12 +610,10 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
         num_l, den_l = num_l + num_r.flip(2), den_l + den_r.flip(2)
     return combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine)[0].to(v.dtype)
 
-
 @torch.no_grad()
 def window_mass(q, k, window, causal=True):
-    """How much softmax attention falls inside the sliding window: (sum over query rows of the mass of
-    softmax(q_i.k_j / sqrt D) on j in W(i), per head (H,) float64, the number of rows summed). Only rows that
-    also have keys outside the window count. One batch element at a time (H x T x T floats)."""
+    """The softmax mass inside the sliding window: (its sum over the rows that also have keys outside, per head
+    (H,) float64, the number of those rows). One batch element at a time (H x T x T floats)."""
     T = q.shape[-2]
     i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
     inside = _in_window(i, j, window, causal)
@@ -695,7 +622,6 @@ def window_mass(q, k, window, causal=True):
     for b in range(q.shape[0]):
         total += (softmax_weights(q[b:b + 1], k[b:b + 1], causal)[0] * inside).sum(-1)[:, rows].double().sum(-1)
     return total, int(rows.sum()) * q.shape[0]
-
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax attention inside diagonal blocks of `block` tokens (LLN+Diag, Nahshan et al. 2023, Sec. 4.2);
@@ -726,27 +652,20 @@ def _grow(cache, x, n):
     cache[:, :, n:n + x.shape[2]] = x
     return cache
 
-
 class Attention(nn.Module):
-    """The attention of one layer, chosen by an AttnSpec (or its string): softmax or a feature map, optionally
-    a hybrid (window > 0: sliding-window softmax + linear; diag_block > 0: block-diagonal softmax + linear,
-    averaged). Owns the feature map and the window factors. q (B, H, T, D) and k, v come from the model's
-    projections after RoPE, k and v repeated to H heads (the maps are per query head); kv_groups = H / H_kv
-    of a grouped-query model, whose decode states keep only the H_kv key/value heads. max_len: cosformer's M
-    when the spec has none (the model's block_size).
+    """The attention of one layer, chosen by an AttnSpec (or its string); owns the feature map and the window
+    factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v repeated to H heads (the
+    maps are per query head); kv_groups = H / H_kv: decode states keep the H_kv key/value heads only. max_len:
+    cosformer's M unless the spec sets it (the model's block_size). teacher = True: exact softmax (conversion).
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
-        y, state = core(q1, k1, v1, state=state, return_state=True)  # continue (decode)
-    A state is updated in place (the softmax KV cache): pass on the returned one, never reuse an old one.
-    `teacher = True` makes the core compute exact softmax attention whatever its map (conversion)."""
+        y, state = core(q1, k1, v1, state=state, return_state=True)  # decode; a state is updated in place"""
 
     def __init__(self, spec, head_dim, n_heads, causal=True, kv_groups=1, max_len=None):
         super().__init__()
         self.spec = spec = AttnSpec.parse(spec)
         if kv_groups < 1 or n_heads % kv_groups:
             raise ValueError(f"kv_groups must divide n_heads={n_heads}, got {kv_groups}")
-        if spec.impl == 'triton' and not causal:
-            raise ValueError("impl='triton' is causal only; use impl='chunked' for bidirectional attention")
         self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
         self.chunk_size, self.teacher = 64, False
         options = dict(spec.options)
@@ -776,9 +695,8 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, q, k):
-        """Data-dependent initialisation from teacher queries/keys (B, H, T, D): LLN's statistics; for the mix
-        window form s per head = the teacher's mean softmax mass inside the window over the rows that have keys
-        outside it (window_mass), the mix that is exact for an average row."""
+        """Initialisation from teacher queries/keys (B, H, T, D): LLN's statistics; the mix form's s = the teacher's
+        mean softmax mass inside the window (window_mass), exact for an average row."""
         if hasattr(self.fmap, 'calibrate'):
             self.fmap.calibrate(q, k)
         if self.window and self.window_combine == 'mix':
@@ -888,7 +806,6 @@ class Attention(nn.Module):
         eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
         return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
-
 def state_nbytes(state):
     """Bytes held by a decode state (a dict of tensors, or a list of them, one per layer), a KV cache's whole
     capacity included."""
@@ -904,19 +821,16 @@ def attention_entropy(w, eps=1e-12):
     """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4)."""
     return -(w.float() * (w.float() + eps).log()).sum(-1)
 
-
 def spectral_gap(w):
     """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix -> (B, H) float64 (eigenvalues sorted by modulus,
     lambda_1 = 1). Meant for bidirectional matrices: a causal one's eigenvalues are its diagonal."""
     return 1.0 - torch.linalg.eigvals(w.double()).abs().sort(dim=-1, descending=True).values[..., 1]
-
 
 def _ranks(x):
     """Ranks along the last dimension, ties sharing their mean rank, float64."""
     x = x.double().contiguous()
     s = x.sort(-1).values
     return (torch.searchsorted(s, x) + torch.searchsorted(s, x, right=True) - 1).double() / 2
-
 
 def monotonicity(w, q, k, causal=True, scale=None):
     """How monotonic attention weights are in q.k (Hedgehog Fig. 3, Sec. 3.2): the Spearman correlation, per
@@ -931,24 +845,20 @@ def monotonicity(w, q, k, causal=True, scale=None):
     vis = causal_mask(T, T, w.device).expand_as(w) if causal else torch.ones_like(w, dtype=torch.bool)
     return torch.stack(rhos, -1).mean(-1), (s[vis].float(), w[vis].float())
 
-
 def kl_divergence(p, q, eps=1e-12):
     """KL(p || q) per row of two (B, H, T, T) attention matrices -> (B, H, T), nats."""
     p, q = p.float(), q.float()
     return (p * ((p + eps).log() - (q + eps).log())).sum(-1)
-
 
 def attention_cross_entropy(w_student, w_teacher, eps=1e-12):
     """Hedgehog's distillation loss (Eq. 4): soft-label cross-entropy -sum_j w_teacher_ij log w_student_ij,
     averaged over rows, batch and heads (quadratic in T: short sequences)."""
     return -(w_teacher.float() * (w_student.float() + eps).log()).sum(-1).mean()
 
-
 def output_mse(y_student, y_teacher):
     """LoLCATs' attention-transfer loss (Eq. 7): the mean squared error of the attention outputs (B, H, T, D),
     in float32; nothing T x T is formed, so it works at any length."""
     return F.mse_loss(y_student.float(), y_teacher.float())
-
 
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
     """DoF's kernel loss: the mean squared error of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the

@@ -373,9 +373,9 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="quadratic, chunked, recurrent"):
         A.linear_attention(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), impl='fast')
     q, k, v = qkv(T=5)
-    with pytest.raises(ValueError, match="head_dim mismatch"):
+    with pytest.raises(ValueError, match="n_heads / head_dim mismatch"):
         A.make_feature_map('elu', 16, H)(q, k)
-    with pytest.raises(ValueError, match="n_heads mismatch"):
+    with pytest.raises(ValueError, match="n_heads / head_dim mismatch"):
         A.make_feature_map('hedgehog', D, H + 1)(q, k)
     with pytest.raises(ValueError, match=r"\(B, H, T, D\)"):
         A.make_feature_map('elu', D, H)(q[0], k[0])
