@@ -19,8 +19,8 @@ block of the value dimension (F is never split, so every program sees whole dot 
     y    = num / (den + eps)
     S   += k^T v ;  z += colsum(k)                    state in fp32 registers, never written to memory
 
-The denominator comes from the same A and the fp32 z, never from a separate normalisation pass (where
-published linear-attention kernels had silent gradient bugs).
+The denominator comes from the same A and z, not from a separate pass (where published kernels had
+silent gradient bugs).
 
 Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and delta_t = dy_t . y_t:
     g_t = dL/dnum_t = dy_t rden_t,   r_t = dL/dden_t = -delta_t rden_t,   G_ts = dL/dP_ts = g_t . v_s + r_t
@@ -33,14 +33,13 @@ forward in time, dk and dv backward; each splits the dimension its contraction l
 transposed are loaded transposed by swapping the pointer arithmetic; a tl.dot result is never transposed (a
 Triton miscompile on Hopper): the transposed product is computed directly (k q^T rather than (q k^T)^T).
 
-Precision. Accumulation and state are fp32. Operands: bf16 if any input is bf16 (tensor cores; bf16 has
-fp32's exponent range), otherwise the promoted dtype: fp32 features with fp16 values run in fp32, since
-exp-based features overflow fp16 (largest 65504 = e^11). fp32 and fp16 operands multiply in 'tf32' when
-torch.backends.cuda.matmul.allow_tf32 (or allow_tf32=True; fp16 always: it is exact in tf32), else 'ieee'.
+Precision. Accumulation and state are fp32. Operands are bf16 if an input is bf16 (tensor cores; bf16 has
+fp32's range), else the promoted dtype: fp32 features with fp16 values stay fp32, since exp-based features
+overflow fp16 (65504 = e^11). fp32 multiplies in 'tf32' if torch.backends.cuda.matmul.allow_tf32 (or
+allow_tf32=True), else 'ieee'; fp16 always in 'tf32' (exact for it).
 
-CPU. With TRITON_INTERPRET=1 set before this module is imported, the kernels run in Triton's interpreter on CPU
-tensors (the tests do that; there bf16 operands are upcast to fp32, as the interpreter's bf16 tl.dot is wrong).
-attention.linear_attention(impl='chunked') runs this kernel on CUDA where `supports(F, D)`; impl='triton' asks.
+CPU. With TRITON_INTERPRET=1 set before import, the kernels run in Triton's interpreter on CPU tensors (the
+tests; bf16 operands are upcast there: the interpreter's bf16 tl.dot is wrong).
 """
 
 import contextlib
@@ -112,11 +111,7 @@ if HAS_TRITON:
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_f, mask_d = offs_f < F, offs_d < D
         causal = offs_t[:, None] >= offs_t[None, :]                      # (BT, BT) t >= s
-        Q += i_bh * T * F
-        K += i_bh * T * F
-        V += i_bh * T * D
-        Y += i_bh * T * D
-        RDEN += i_bh * T
+        Q, K, V, Y, RDEN = Q + i_bh * T * F, K + i_bh * T * F, V + i_bh * T * D, Y + i_bh * T * D, RDEN + i_bh * T
 
         S = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)               # state S[:, d-block], fp32
         z = tl.zeros((BLOCK_F,), dtype=tl.float32)                       # normaliser state, fp32
@@ -168,12 +163,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         mask_f, mask_d = offs_f < F, offs_d < D
         causal = offs_t[:, None] >= offs_t[None, :]                      # (BT, BT) t >= s
-        K += i_bh * T * F
-        V += i_bh * T * D
-        DY += i_bh * T * D
-        RDEN += i_bh * T
-        DELTA += i_bh * T
-        DQ += i_bh * T * F
+        K, V, DY, DQ = K + i_bh * T * F, V + i_bh * T * D, DY + i_bh * T * D, DQ + i_bh * T * F
+        RDEN, DELTA = RDEN + i_bh * T, DELTA + i_bh * T
 
         ST = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)              # S^T[:, f-block] (kept transposed)
         z = tl.zeros((BLOCK_F,), dtype=tl.float32)
@@ -219,12 +210,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         mask_f, mask_d = offs_f < F, offs_d < D
         anticausal = offs_t[:, None] <= offs_t[None, :]                  # (BT_s, BT_t) s <= t
-        Q += i_bh * T * F
-        V += i_bh * T * D
-        DY += i_bh * T * D
-        RDEN += i_bh * T
-        DELTA += i_bh * T
-        DK += i_bh * T * F
+        Q, V, DY, DK = Q + i_bh * T * F, V + i_bh * T * D, DY + i_bh * T * D, DK + i_bh * T * F
+        RDEN, DELTA = RDEN + i_bh * T, DELTA + i_bh * T
 
         dST = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)             # dS^T[:, f-block], fp32
         dz = tl.zeros((BLOCK_F,), dtype=tl.float32)
@@ -274,11 +261,7 @@ if HAS_TRITON:
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_f, mask_d = offs_f < F, offs_d < D
         anticausal = offs_t[:, None] <= offs_t[None, :]                  # (BT_s, BT_t) s <= t
-        Q += i_bh * T * F
-        K += i_bh * T * F
-        DY += i_bh * T * D
-        RDEN += i_bh * T
-        DV += i_bh * T * D
+        Q, K, DY, DV, RDEN = Q + i_bh * T * F, K + i_bh * T * F, DY + i_bh * T * D, DV + i_bh * T * D, RDEN + i_bh * T
 
         dS = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)              # dS[:, d-block], fp32
         if HAS_DSTATE:
