@@ -1,166 +1,141 @@
 """
-Attention, softmax and linear, in one file.
+Attention, softmax and linear, in one file. In reading order:
 
-The catalogue a reader studies:
-  1. softmax attention, the reference (Vaswani et al. 2017)
-  2. feature maps phi from four papers (Hedgehog, LoLCATs, Linear Log-Normal, Degrees of Freedom)
-     and the baselines they compare with (1+ELU, ReLU, T2R, Performer, cosFormer, Taylor, exp)
-  3. three ways to compute linear attention, which agree to float32 precision:
-       quadratic  -- materialise phi(q) phi(k)^T, mask, normalise rows (teaching, distillation)
-       chunked    -- intra-chunk quadratic + inter-chunk carried state, O(T) memory (training)
-       recurrent  -- one token at a time from a state (S, z) (generation)
-  4. two hybrids: sliding-window softmax + linear (LoLCATs) and block-diagonal softmax + linear (LLN+Diag)
-  5. the per-layer attention core `Attention` that model.py calls, with a recurrent decode state
-  6. metrics (entropy, spectral gap, monotonicity, KL) and distillation losses
+  1. softmax attention, the reference (Vaswani et al. 2017): softmax_attention, softmax_weights
+  2. feature maps phi of four papers -- Hedgehog, LoLCATs, Linear Log-Normal (LLN, with its moment matching
+     lln_alpha_beta), Degrees of Freedom (DoF) -- and their baselines (1+ELU, ReLU, T2R, Performer, cosFormer,
+     Taylor, exp): FEATURE_MAPS
+  3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
+  4. linear attention four ways (impl), equal to float32 precision: quadratic (materialise phi(q) phi(k)^T:
+     teaching, distillation), chunked (a state carried across chunks, O(T) memory: training; on CUDA it runs
+     kernels.py's Triton kernel of the same algorithm where the sizes fit), recurrent (token by token from a
+     state (S, z): generation), triton (the kernel by name: an error where it cannot run)
+  5. hybrids: sliding-window softmax + linear (LoLCATs, forms joint and mix), block-diagonal softmax + linear
+     (LLN+Diag)
+  6. Attention, the core of one layer that model.py calls, with its decode states
+  7. metrics (entropy, spectral gap, monotonicity, KL) and distillation losses (Hedgehog, LoLCATs, DoF)
 
 Linear attention, for one head (Katharopoulos et al. 2020, Eq. 4-6):
     y_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps),  S_t = sum_{s<=t} phi(k_s) v_s^T,  z_t = sum_{s<=t} phi(k_s)
-The state S (F x D) and normaliser z (F) are accumulated in float32 whatever the input dtype, and every
-feature map returns float32 features, so exp-based maps neither overflow in fp16 nor lose their tails in bf16.
-
+S (F x D) and z (F) are accumulated in float32 whatever the input dtype; feature maps return float32.
 Shapes: q, k, v are (B, H, T, D) = (batch, heads, time, head_dim); features are (B, H, T, F).
 """
 
 import functools
+import inspect
+import json
 import math
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-EPS = 1e-20  # the denominator's eps: y = num / (den + EPS), float32; it only guards 0 / 0 (see linear_attention)
+import kernels
 
+EPS = 1e-20  # the denominator's eps, y = num / (den + EPS) in float32: it only guards 0 / 0
 
 def _acc(x):
     """x in its accumulation dtype: float32, or float64 when given float64 (for float64 reference checks)."""
     return x.double() if x.dtype == torch.float64 else x.float()
 
+def _choose(what, value, choices):
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; choose one of: {', '.join(map(str, choices))}")
 
-def _check_qk(q, k, head_dim=None, n_heads=None):
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"expected q and k of shape (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share B, H and D")
-    if head_dim is not None and q.shape[-1] != head_dim:
-        raise ValueError(f"head_dim mismatch: the feature map was built for head_dim={head_dim}, "
-                         f"got inputs with last dimension {q.shape[-1]}")
-    if n_heads is not None and q.shape[1] != n_heads:
-        raise ValueError(f"n_heads mismatch: the feature map was built for n_heads={n_heads}, "
-                         f"got inputs with {q.shape[1]} heads (dim 1 of (B, H, T, D))")
+def _check_qk(q, k, head_dim, n_heads):
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if (q.shape[1], q.shape[-1]) != (n_heads, head_dim):
+        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got (B, H, T, D) = "
+                         f"{tuple(q.shape)}")
 
 
 # -----------------------------------------------------------------------------
 # 1. softmax attention, the reference
 
 def softmax_attention(q, k, v, causal=True, scale=None, attn_mask=None):
-    """Exact softmax attention (Vaswani et al. 2017, Eq. 1): softmax(q k^T * scale) v, scale = 1/sqrt(D).
-    attn_mask: optional bool mask broadcastable to (B, H, T_q, T_k), True = may attend (used instead of causal).
-    k, v may have fewer heads than q (grouped-query attention: query head h uses key head h // (H / H_kv)).
-    Uses PyTorch's scaled_dot_product_attention (flash / memory-efficient kernels where they apply)."""
-    gqa = k.shape[1] != q.shape[1]
-    if not gqa:
-        _check_qk(q, k)
-    elif q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}: its heads must be a multiple of k's {tuple(k.shape)}, same D")
-    if attn_mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[-2] > 1, scale=scale,
-                                          enable_gqa=gqa)
-
+    """softmax(q k^T * scale) v, scale = 1/sqrt(D) (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask:
+    bool (B, H, T_q, T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
+    causal = causal and attn_mask is None and q.shape[-2] > 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 def causal_mask(T_q, T_k, device=None):
     """(T_q, T_k) bool, True where query i (at absolute position T_k - T_q + i) may see key j."""
-    offset = T_k - T_q
-    i = torch.arange(T_q, device=device)[:, None] + offset
-    j = torch.arange(T_k, device=device)[None, :]
-    return j <= i
-
+    return torch.arange(T_k, device=device) <= torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
 
 def softmax_weights(q, k, causal=True, scale=None):
-    """The (B, H, T, T) matrix of softmax attention weights, in float32."""
-    _check_qk(q, k)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, T)
-    if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float('-inf'))
-    return torch.softmax(scores, dim=-1)
+    """The (B, H, T, T) matrix of softmax attention, float32: its output for the identity matrix as values."""
+    eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
+    return softmax_attention(q.float(), k.float(), eye, causal, scale)
 
 
 # -----------------------------------------------------------------------------
-# 2. feature maps: phi_q, phi_k = fmap(q, k, offset) on (B, H, T, D) -> float32 (B, H, T, F)
+# 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F)
 
 class FeatureMap(nn.Module):
-    """Base class. Takes queries and keys together (LLN treats them differently, cosFormer needs
-    positions: `offset` is the absolute position of the first token). Subclasses set feature_dim and
-    implement `phi(x, which, offset)` with which in {'q', 'k'} -- or, for the exp-based maps,
-    `log_phi(x, which, offset)`, the log-features (phi = exp(log_phi)).
+    """Base class. q and k come together (LLN treats them differently; cosFormer needs positions: offset = the
+    absolute position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or,
+    exp-based (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi).
 
-    Numerics of the exp-based maps (real LLM queries and keys are large: attention sinks): the query features
-    come out divided by exp(c_q), c_q = the query's largest log-feature (per query, detached), so every query
-    feature is <= 1 and phi(q).phi(k) cannot overflow. A positive per-query factor cancels exactly in the
-    normalisation of linear attention; `features()` also returns c_q for the places that need the exact
-    features (the window hybrid, the kernel L2 loss). Keys are not shifted: a per-key factor would change the
-    kernel, and a per-sequence one would need future keys in a causal model. (shift_queries=False turns the
-    query shift off.)"""
+    Range (a real LLM's queries and keys are large: attention sinks): `features` divides an exp-based phi(q)
+    by exp(c_q) and phi(k) by exp(c_k), detached shifts that cancel in every output. c_q: a query's largest
+    log-feature (a factor of one attention row, gone in its normalisation). c_k: ONE per sequence and head (a
+    per-key shift would re-weight the keys), 0 until the largest key log-feature u passes KEY_RANGE = 60, then
+    u - 60: key features <= e^60 leave float32 room for sums of 1e12 terms. While c_k = 0 no output depends on
+    a later token, bit for bit; past it a causal c_k includes later keys (cancelling exactly, but not in
+    rounding). Decode states carry c_k and raise it, rescaling S and z. phi(q_t).phi(k_s) =
+    exp(c_q_t + c_k) phi_q_t.phi_k_s exactly (the window hybrid uses it). shift=False: no shifts."""
 
-    log_domain = False   # True for maps that define log_phi
+    log_domain = False
+    KEY_RANGE = 60.0
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
-        if head_dim < 1 or n_heads < 1:
-            raise ValueError(f"head_dim and n_heads must be positive, got {head_dim}, {n_heads}")
-        self.head_dim, self.n_heads = head_dim, n_heads
-        self.feature_dim = head_dim
-        self.shift_queries = True
+        self.head_dim, self.n_heads, self.feature_dim, self.shift = head_dim, n_heads, head_dim, True
 
     def forward(self, q, k, offset=0):
-        """(phi_q, phi_k), float32 (B, H, T, F); phi_q up to a positive per-query factor (see the class doc)."""
-        phi_q, phi_k, _ = self.features(q, k, offset)
-        return phi_q, phi_k
+        return self.features(q, k, offset)[:2]
 
-    def features(self, q, k, offset=0):
-        """(phi_q', phi_k, c_q) with the exact query features phi(q) = phi_q' * exp(c_q[..., None]);
-        c_q (B, H, T) is 0 for maps that are not exp-based."""
+    def features(self, q, k, offset=0, c_k=None):
+        """(phi_q, phi_k, c_q (B, H, T), c_k (B, H)), phi(q) = phi_q exp(c_q), phi(k) = phi_k exp(c_k); the
+        shifts are 0 for maps that are not exp-based. A given c_k (a decode state's) is raised, never lowered."""
         _check_qk(q, k, self.head_dim, self.n_heads)
         q, k = _acc(q), _acc(k)
         if not self.log_domain:
-            phi_q = self.phi(q, 'q', offset)
-            return phi_q, self.phi(k, 'k', offset), phi_q.new_zeros(phi_q.shape[:-1])
+            phi_q, phi_k = self.phi(q, 'q', offset), self.phi(k, 'k', offset)
+            return phi_q, phi_k, phi_q.new_zeros(phi_q.shape[:-1]), phi_q.new_zeros(phi_q.shape[:2])
         u_q, u_k = self.log_phi(q, 'q', offset), self.log_phi(k, 'k', offset)
-        c_q = u_q.amax(-1, keepdim=True).detach() if self.shift_queries else torch.zeros_like(u_q[..., :1])
-        return torch.exp(u_q - c_q), torch.exp(u_k), c_q.squeeze(-1)
+        c_q = u_q.detach().amax(-1) * self.shift
+        c_new = (u_k.detach().amax((-2, -1)) - self.KEY_RANGE).clamp_min(0) * self.shift
+        c_k = c_new if c_k is None else torch.maximum(c_k, c_new)
+        return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None, None]), c_q, c_k
 
     def phi(self, x, which, offset):
-        """Exact features of one side (no shift)."""
+        """The exact features of one side."""
         return torch.exp(self.log_phi(_acc(x), which, offset))
 
-    def extra_repr(self):
-        return f"head_dim={self.head_dim}, n_heads={self.n_heads}, feature_dim={self.feature_dim}"
-
-
 def _per_head_linear(x, weight, bias=None):
-    """x (B, H, T, D) @ weight (H, F, D)^T + bias (H, F) -> (B, H, T, F): one Linear per head."""
+    """One Linear per head: x (B, H, T, D), weight (H, F, D), bias (H, F) -> (B, H, T, F)."""
     y = torch.einsum('bhtd,hfd->bhtf', x, weight.to(x.dtype))
     return y if bias is None else y + bias.to(x.dtype)[None, :, None, :]
 
-
 class EluFeatureMap(FeatureMap):
-    """1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D; no scaling, no parameters."""
+    """phi(x) = 1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D, no parameters."""
 
     def phi(self, x, which, offset):
         return F.elu(x) + 1
 
-
 class ReluFeatureMap(FeatureMap):
-    """ReLU(x) (Kasai et al. 2021; Qin et al. 2022 cosFormer without re-weighting); F = D, no parameters."""
+    """phi(x) = ReLU(x) (Kasai et al. 2021; cosFormer, Qin et al. 2022, without its re-weighting); F = D."""
 
     def phi(self, x, which, offset):
         return F.relu(x)
 
-
 class T2RFeatureMap(FeatureMap):
-    """ReLU(W x + b), trainable, shared by queries and keys (Kasai et al. 2021, T2R, Eq. 4).
-    Per-head W (F x D), b (F); F = feature_dim (default D); init U(-1/sqrt(D), 1/sqrt(D)) like nn.Linear."""
+    """phi(x) = ReLU(W x + b), trained, shared by q and k (T2R, Kasai et al. 2021, Eq. 4); per head W (F, D),
+    b (F), F = feature_dim (default D), init U(-1/sqrt(D), 1/sqrt(D)) as nn.Linear."""
 
     def __init__(self, head_dim, n_heads, feature_dim=None):
         super().__init__(head_dim, n_heads)
@@ -172,68 +147,47 @@ class T2RFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         return F.relu(_per_head_linear(x, self.weight, self.bias))
 
-
 def _orthogonal_gaussian(n_heads, m, d, generator=None):
-    """(n_heads, m, d) random features: blocks of d orthogonal rows (QR of a Gaussian, with the signs of R's
-    diagonal folded into Q so the rotation is uniformly (Haar) distributed), each row rescaled
-    to the norm of an independent N(0, I_d) vector, so every row is marginally N(0, I_d)
-    (Choromanski et al. 2020, Sec. 2.4 orthogonal random features)."""
-    rows = []
+    """(n_heads, m, d) orthogonal random features (Choromanski et al. 2020, Sec. 2.4): blocks of d orthogonal
+    rows (QR of a Gaussian, signs fixed so the rotation is Haar), each rescaled to a N(0, I_d) draw's norm."""
+    heads = []
     for _ in range(n_heads):
         blocks = []
         for _ in range(math.ceil(m / d)):
-            g = torch.randn(d, d, generator=generator)
-            qmat, r = torch.linalg.qr(g)
-            qmat = qmat * torch.sign(torch.diagonal(r))  # sign fix: makes Q Haar-distributed (else biased)
-            blocks.append(qmat.T)
-        w = torch.cat(blocks, 0)[:m]
-        norms = torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True)
-        rows.append(w * norms)
-    return torch.stack(rows)
-
+            qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
+            blocks.append((qmat * torch.sign(torch.diagonal(r))).T)
+        heads.append(torch.cat(blocks)[:m] * torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True))
+    return torch.stack(heads)
 
 class PerformerFeatureMap(FeatureMap):
-    """FAVOR+ positive orthogonal random features (Choromanski et al. 2020, Lemma 1, Eq. 7):
-    phi(x) = exp(w_m . x' - |x'|^2 / 2) / sqrt(M), x' = x * D^-1/4, w_m orthogonal N(0, I),
-    so that E[phi(q) . phi(k)] = exp(q . k / sqrt(D)) exactly (unbiased). F = M = feature_dim (default 2D).
-    Stabiliser (stabilize=True, the base class's query shift): the queries' per-token max exponent is
-    subtracted, which cancels in the normalisation. Keys are not shifted (see FeatureMap).
-    redraw_interval > 0 redraws the features every that many training-mode forward calls."""
+    """FAVOR+ (Choromanski et al. 2020, Lemma 1, Eq. 7): phi(x) = exp(w_m . x' - |x'|^2 / 2) / sqrt(M),
+    x' = x D^-1/4, w_m orthogonal N(0, I) (buffer omega): E[phi(q).phi(k)] = exp(q.k / sqrt(D)). M = feature_dim
+    (default 2D); stabilize=False: no shifts; redraw_interval > 0: new w_m every that many training calls."""
 
     log_domain = True
 
     def __init__(self, head_dim, n_heads, feature_dim=None, stabilize=True, redraw_interval=0, seed=None):
         super().__init__(head_dim, n_heads)
-        self.feature_dim = feature_dim or 2 * head_dim
-        self.stabilize = self.shift_queries = bool(stabilize)
-        self.redraw_interval = redraw_interval
+        self.feature_dim, self.shift = feature_dim or 2 * head_dim, bool(stabilize)
+        self.redraw_interval, self.calls = redraw_interval, 0
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.register_buffer('omega', _orthogonal_gaussian(n_heads, self.feature_dim, head_dim, self.generator))
-        self.calls = 0
 
-    @torch.no_grad()
-    def redraw(self):
-        new = _orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim, self.generator)
-        self.omega.copy_(new.to(self.omega.device))
-
-    def features(self, q, k, offset=0):
+    def features(self, q, k, offset=0, c_k=None):
         if self.training and self.redraw_interval > 0:
             if self.calls > 0 and self.calls % self.redraw_interval == 0:
-                self.redraw()
+                self.omega.copy_(_orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim, self.generator))
             self.calls += 1
-        return super().features(q, k, offset)
+        return super().features(q, k, offset, c_k)
 
     def log_phi(self, x, which, offset):
         x = x * self.head_dim ** -0.25
-        u = _per_head_linear(x, self.omega) - 0.5 * (x * x).sum(-1, keepdim=True)  # (B, H, T, M)
-        return u - 0.5 * math.log(self.feature_dim)
-
+        return _per_head_linear(x, self.omega) - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(self.feature_dim)
 
 class CosformerFeatureMap(FeatureMap):
     """cosFormer (Qin et al. 2022, Eq. 9-11): phi(x_i) = [ReLU(x_i) cos(pi i / 2M), ReLU(x_i) sin(pi i / 2M)],
-    so phi(q_i) . phi(k_j) = ReLU(q_i) . ReLU(k_j) cos(pi (i - j) / 2M). F = 2D.
-    M = max_len is fixed (the model's context length), not the current length, so a token's output does not
-    depend on how many tokens follow it; positions i = offset + t must stay below M."""
+    so phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len (default 2048, the
+    model's context length), fixed: no output depends on the tokens that follow (the paper uses the length)."""
 
     def __init__(self, head_dim, n_heads, max_len=2048):
         super().__init__(head_dim, n_heads)
@@ -245,29 +199,23 @@ class CosformerFeatureMap(FeatureMap):
             raise ValueError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len}; "
                              f"build the map with a larger max_len (the model's block_size)")
         angle = math.pi / (2 * self.max_len) * torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
-        x = F.relu(x)
-        return torch.cat([x * angle.cos()[:, None], x * angle.sin()[:, None]], dim=-1)
-
+        return torch.cat([F.relu(x) * angle.cos()[:, None], F.relu(x) * angle.sin()[:, None]], dim=-1)
 
 class TaylorFeatureMap(FeatureMap):
-    """2nd-order Taylor approximation of exp (Hedgehog Sec. 4.1; Based, Arora et al. 2024):
-    phi(x) = [1, x / D^1/4, vec(x x^T) / (sqrt(2) sqrt(D))], so phi(q) . phi(k) = 1 + s + s^2 / 2
-    with s = q . k / sqrt(D). F = 1 + D + D^2; no parameters."""
+    """2nd-order Taylor of exp (Hedgehog Sec. 4.1; Based, Arora et al. 2024): phi(x) = [1, x / D^1/4,
+    vec(x x^T) / sqrt(2D)], so phi(q).phi(k) = 1 + s + s^2 / 2, s = q.k / sqrt(D); F = 1 + D + D^2."""
 
     def __init__(self, head_dim, n_heads):
         super().__init__(head_dim, n_heads)
         self.feature_dim = 1 + head_dim + head_dim ** 2
 
     def phi(self, x, which, offset):
-        D = self.head_dim
-        x2 = (x[..., :, None] * x[..., None, :]).flatten(-2) / math.sqrt(2 * D)
-        return torch.cat([torch.ones_like(x[..., :1]), x * D ** -0.25, x2], dim=-1)
-
+        x2 = torch.einsum('bhti,bhtj->bhtij', x, x).flatten(-2) / math.sqrt(2 * self.head_dim)
+        return torch.cat([torch.ones_like(x[..., :1]), x * self.head_dim ** -0.25, x2], dim=-1)
 
 class ExpFeatureMap(FeatureMap):
-    """exp(t x) elementwise with temperature t (Hedgehog Sec. 3.2: a map that is spiky but not monotonic
-    in q . k, the control for Hedgehog's monotonic exp map); F = D, no parameters. Queries are shifted per
-    token for numerical range (FeatureMap), which cancels."""
+    """phi(x) = exp(t x) elementwise, t = temperature (default 1) (Hedgehog Sec. 3.2: spiky but not monotonic in
+    q.k, the control for Hedgehog's map); F = D, no parameters."""
 
     log_domain = True
 
@@ -278,146 +226,86 @@ class ExpFeatureMap(FeatureMap):
     def log_phi(self, x, which, offset):
         return self.temperature * x
 
-
 class HedgehogFeatureMap(FeatureMap):
-    """Hedgehog (Zhang et al. 2024, Eq. 3 and Eq. 6): u = W x + b, one trainable Linear(D, F/2) per head,
-    initialised to the identity (W = I, b = 0), phi(x) = [exp(u), exp(-u)], F = feature_dim (default 2D).
-    softmax_dim=True (the default, Eq. 5) uses [softmax(u), softmax(-u)] over the feature dimension: each
-    token's features are normalised to sum to 1 per half, which keeps them in [0, 1] (numerically stable)
-    and is part of the map's definition, not a shift that cancels. Queries and keys share the MLP.
-    With softmax_dim=False the map is exp-based: queries get the per-token shift of FeatureMap."""
+    """Hedgehog (Zhang et al. 2024, Eq. 3, 5-6): u = W x + b, a Linear(D, F/2) per head shared by q and k,
+    init W = I, b = 0; phi(x) = [softmax(u), softmax(-u)] over the features (softmax_dim=True, Eq. 5: each half
+    sums to 1, part of the map) or [exp(u), exp(-u)] (softmax_dim=False, Eq. 3). F = feature_dim, default 2D."""
 
     def __init__(self, head_dim, n_heads, feature_dim=None, softmax_dim=True):
         super().__init__(head_dim, n_heads)
-        self.feature_dim = feature_dim or 2 * head_dim
-        if self.feature_dim % 2:
-            raise ValueError(f"hedgehog feature_dim must be even ([f(u), f(-u)]), got {self.feature_dim}")
-        self.softmax_dim = softmax_dim
-        self.log_domain = not softmax_dim
-        half = self.feature_dim // 2
-        self.weight = nn.Parameter(torch.eye(half, head_dim).repeat(n_heads, 1, 1))  # (H, F/2, D)
-        self.bias = nn.Parameter(torch.zeros(n_heads, half))
+        self._mlp(feature_dim, 'softmax' if softmax_dim else 'exp', torch.eye)
+
+    def _mlp(self, feature_dim, activation, init):
+        """The per-head Linear(D, width), weight init(width, D); F = 2 width for [f(u), f(-u)], else width."""
+        pm = activation in ('softmax', 'exp')
+        self.activation, self.log_domain = activation, activation == 'exp'
+        self.feature_dim = feature_dim or (2 if pm else 1) * self.head_dim
+        if pm and self.feature_dim % 2:
+            raise ValueError(f"{activation} features [f(u), f(-u)] need an even feature_dim, got {self.feature_dim}")
+        width = self.feature_dim // 2 if pm else self.feature_dim
+        self.weight = nn.Parameter(init(width, self.head_dim).repeat(self.n_heads, 1, 1))  # (H, width, D)
+        self.bias = nn.Parameter(torch.zeros(self.n_heads, width))
 
     def project(self, x):
         return _per_head_linear(x, self.weight, self.bias)
 
     def phi(self, x, which, offset):
-        if self.log_domain:
-            return super().phi(x, which, offset)
         u = self.project(x)
-        return torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+        if self.activation == 'elu':
+            return F.elu(u) + 1
+        if self.activation == 'relu':
+            return F.relu(u)
+        f = torch.exp if self.log_domain else lambda t: torch.softmax(t, dim=-1)
+        return torch.cat([f(u), f(-u)], dim=-1)
 
     def log_phi(self, x, which, offset):
         u = self.project(x)
         return torch.cat([u, -u], dim=-1)
 
-
 LOLCATS_ACTIVATIONS = ('softmax', 'exp', 'elu', 'relu')
 
-
 class LolcatsFeatureMap(HedgehogFeatureMap):
-    """LoLCATs (Zhang et al. 2025, Eq. 6 and the feature maps of its Table 1): phi(x) = f(u), u = x W + b + x,
-    a per-head Linear(D, F') with a skip connection, W initialised to 0 and b = 0 (so the map starts from
-    f(x)); with F' != D the skip connection uses the first min(D, F') coordinates. The activation f:
-      'softmax' (default): [softmax(u), softmax(-u)] over the feature dimension, F = 2 F' (Hedgehog Eq. 5);
-      'exp':  [exp(u), exp(-u)], F = 2 F' (Hedgehog Eq. 3; queries shifted per token, see FeatureMap);
-      'elu':  1 + ELU(u), F = F' (Katharopoulos et al.);   'relu': ReLU(u), F = F'.
-    F = feature_dim, default 2D for softmax/exp and D for elu/relu (as in the official code, which applies
-    ELU/ReLU to u alone and softmax/exp to [u, -u]; unlike it we do not clamp the features at 1e-12 and do not
-    shift keys: the exact exp map is used). softmax_dim=False is the older spelling of activation='exp'."""
+    """LoLCATs (Zhang et al. 2025, Eq. 6, Table 1): phi(x) = f(u), u = x W + b + x, a per-head Linear(D, F')
+    with a skip connection (its first min(D, F') coordinates), init W = 0, b = 0. activation f: 'softmax'
+    [softmax(u), softmax(-u)] or 'exp' [exp(u), exp(-u)], F = 2F' (default 2D); 'elu' 1 + ELU(u) or 'relu'
+    ReLU(u), F = F' (default D). Unlike the official code, no clamp of the features at 1e-12."""
 
-    def __init__(self, head_dim, n_heads, feature_dim=None, softmax_dim=True, activation='softmax'):
+    def __init__(self, head_dim, n_heads, feature_dim=None, activation='softmax'):
         FeatureMap.__init__(self, head_dim, n_heads)
-        if activation not in LOLCATS_ACTIVATIONS:
-            raise ValueError(f"unknown lolcats activation {activation!r}; choose one of: "
-                             f"{', '.join(LOLCATS_ACTIVATIONS)}")
-        if not softmax_dim and activation == 'softmax':
-            activation = 'exp'
-        self.activation, self.softmax_dim = activation, activation == 'softmax'
-        self.log_domain = activation == 'exp'
-        pm = activation in ('softmax', 'exp')  # [f(u), f(-u)]
-        self.feature_dim = feature_dim or (2 * head_dim if pm else head_dim)
-        if pm and self.feature_dim % 2:
-            raise ValueError(f"lolcats with activation {activation!r} needs an even feature_dim ([f(u), f(-u)]), "
-                             f"got {self.feature_dim}")
-        width = self.feature_dim // 2 if pm else self.feature_dim
-        self.weight = nn.Parameter(torch.zeros(n_heads, width, head_dim))  # (H, F', D)
-        self.bias = nn.Parameter(torch.zeros(n_heads, width))
+        _choose('lolcats activation', activation, LOLCATS_ACTIVATIONS)
+        self._mlp(feature_dim, activation, torch.zeros)
 
     def project(self, x):
         width = self.weight.shape[1]
-        skip = x[..., :width]
-        if width > self.head_dim:
-            skip = F.pad(skip, (0, width - self.head_dim))
-        return _per_head_linear(x, self.weight, self.bias) + skip
+        return super().project(x) + F.pad(x[..., :width], (0, max(width - self.head_dim, 0)))
 
-    def phi(self, x, which, offset):
-        if self.activation == 'elu':
-            return F.elu(self.project(x)) + 1
-        if self.activation == 'relu':
-            return F.relu(self.project(x))
-        return super().phi(x, which, offset)
+LLN_MATCH = ('paper', 'entropy', 'none')
 
-
-LLN_MATCH = ('paper', 'kernel', 'entropy', 'none')
-
-
-def _check_lln_match(match):
-    if match not in LLN_MATCH:
-        raise ValueError(f"unknown LLN match {match!r}; choose one of: {', '.join(LLN_MATCH)}")
-
-
-def _lln_log_kernel(q, k, s2):
-    """log(exp(a q) . exp(a k)) for all query-key pairs, a = sqrt(s2 / 2), so alpha^2 + beta^2 = s2 on unit q, k."""
-    a = math.sqrt(s2 / 2)
-    return (torch.exp(a * q) @ torch.exp(a * k).transpose(-2, -1)).log()
-
-
-@functools.lru_cache(maxsize=None)
-def lln_fit(head_dim, match='paper', n_tokens=256, reps=8, seed=0):
-    """The constants (a, b) of LLN's linear variance model (Nahshan et al. 2023, Eq. 10 and App. A.7)
-        sigma_lln^2 = a s~^2 + b,   s~^2 = alpha^2 sigma_q^2 + beta^2 sigma_k^2,
-    a least-squares line through (s~^2, sigma_lln^2) measured on q, k ~ N(0, I_D), alpha = beta = sqrt(s~^2 / 2):
-      'paper':  sigma_lln^2 = Var[log P_ij], P the LLN attention matrix (numerator over row denominator,
-                bidirectional, n_tokens keys), on s~ in [1, 4] (s~^2 = 1, 2, ..., 16). Our reading of App. A.7
-                (its text was not available to us): it reproduces the published D = 64 constants a = 0.1486,
-                b = -0.3549 (hard-coded in LLN's code): we get a = 0.1482, b = -0.3600.
-      'kernel': sigma_lln^2 = Var[log phi(q) . phi(k)], the numerator alone, on s~^2 in [2, 12] (11 points):
-                this repository's earlier fit.
-    Float64, fixed seed, cached per (head_dim, match)."""
-    if match not in ('paper', 'kernel'):
-        raise ValueError(f"lln_fit fits match='paper' or 'kernel', got {match!r}")
-    grid = {'paper': torch.linspace(1.0, 16.0, 16, dtype=torch.float64),
-            'kernel': torch.linspace(2.0, 12.0, 11, dtype=torch.float64)}[match]
-    g = torch.Generator().manual_seed(seed)
-    ys = []
-    for s2 in grid.tolist():
-        q = torch.randn(reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
-        k = torch.randn(reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
-        log_w = _lln_log_kernel(q, k, s2)
-        if match == 'paper':
-            log_w = log_w - log_w.logsumexp(-1, keepdim=True)  # log P = log numerator - log denominator
-        ys.append(log_w.var().item())
-    A = torch.stack([grid, torch.ones_like(grid)], dim=1)
-    a, b = torch.linalg.lstsq(A, torch.tensor(ys, dtype=torch.float64)[:, None]).solution.squeeze(1).tolist()
-    return a, b
-
+def _lln_log_weights(q, k, s2):
+    """log P of LLN's bidirectional attention with alpha = beta = sqrt(s2 / 2) on q, k (n, T, D)."""
+    log_k = (torch.exp(math.sqrt(s2 / 2) * q) @ torch.exp(math.sqrt(s2 / 2) * k).transpose(-2, -1)).log()
+    return log_k - log_k.logsumexp(-1, keepdim=True)
 
 def _mean_row_entropy(log_w):
     return -(log_w.exp() * log_w).sum(-1).mean().item()
 
+@functools.lru_cache(maxsize=None)
+def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
+    """(a, b) of LLN's variance model sigma_lln^2 = a s~^2 + b, s~^2 = alpha^2 s_q^2 + beta^2 s_k^2 (Nahshan et
+    al. 2023, Eq. 10, App. A.7, as we read it): a line through Var[log P_ij] of LLN attention at s~^2 = 1..16
+    (n_tokens keys, q, k ~ N(0, I_D)). D = 64: a = 0.1482, b = -0.3600 (published: 0.1486, -0.3549)."""
+    grid, g = torch.linspace(1.0, 16.0, 16, dtype=torch.float64), torch.Generator().manual_seed(seed)
+    ys = [_lln_log_weights(*torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64), s2).var()
+          for s2 in grid.tolist()]
+    A = torch.stack([grid, torch.ones_like(grid)], dim=1)
+    return tuple(torch.linalg.lstsq(A, torch.stack(ys)[:, None]).solution.squeeze(1).tolist())
 
 @functools.lru_cache(maxsize=None)
 def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.5):
-    """match='entropy' (ours, not in the paper): for the softmax log-variance s^2 = sigma_q^2 sigma_k^2 on the grid
-    0, 0.5, ..., 8, the s~^2 = alpha^2 sigma_q^2 + beta^2 sigma_k^2 at which LLN's mean row entropy equals softmax's
-    (bidirectional, n_tokens keys, the same q, k ~ N(0, I_D) for every point, float64, fixed seed). LLN's entropy,
-    tabulated on s~^2 = 0, 0.5, ... until it is below softmax's at s^2 = 8, falls monotonically and is inverted
-    by linear interpolation. Returns (s^2 grid, s~^2 grid), float64; cached per head_dim. Made at n_tokens keys:
-    at other sequence lengths the entropies match approximately (README, LLN Fig. 2)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
-    k = torch.randn(reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
+    """match='entropy' (ours: LLN Fig. 2 in docs/RESULTS.md shows moment matching leaves LLN's rows flatter
+    than softmax's): for s^2 = 0, 0.5, .., 8 the s~^2 at which LLN's mean row entropy equals softmax's (n_tokens
+    keys, q, k ~ N(0, I_D)); LLN's entropy falls monotonically in s~^2. Returns (s^2 grid, s~^2 grid)."""
+    q, k = torch.randn(2, reps, n_tokens, head_dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
     h_sm = torch.tensor([_mean_row_entropy(torch.log_softmax(math.sqrt(s2) * dots, -1)) for s2 in s2_grid.tolist()],
@@ -425,33 +313,25 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     xs, h_lln = [0.0], [math.log(n_tokens)]  # s~^2 = 0: uniform weights
     while h_lln[-1] > h_sm[-1].item() and xs[-1] < 1000:
         xs.append(xs[-1] + step)
-        log_w = _lln_log_kernel(q, k, xs[-1])
-        h_lln.append(_mean_row_entropy(log_w - log_w.logsumexp(-1, keepdim=True)))
+        h_lln.append(_mean_row_entropy(_lln_log_weights(q, k, xs[-1])))
     h_lln = torch.tensor(h_lln, dtype=torch.float64)
     if not (h_lln[1:] < h_lln[:-1]).all() or h_lln[-1] > h_sm[-1]:
         raise RuntimeError(f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at s^2 = {s2_max}, "
                            f"at head_dim={head_dim}, n_tokens={n_tokens}")
     return s2_grid, _interp(-h_sm, -h_lln, torch.tensor(xs, dtype=torch.float64))
 
-
 def _interp(x, xp, fp):
     """Piecewise-linear interpolation of the points (xp, fp) at x, xp increasing; linear beyond both ends."""
     i = torch.searchsorted(xp, x).clamp(1, len(xp) - 1)
-    x0, x1, f0, f1 = xp[i - 1], xp[i], fp[i - 1], fp[i]
-    return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
-
+    return fp[i - 1] + (fp[i] - fp[i - 1]) * (x - xp[i - 1]) / (xp[i] - xp[i - 1])
 
 def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
-    """LLN's temperatures alpha, beta (Nahshan et al. 2023, Eq. 10) from the query/key variances (tensors), with
-    alpha s_q = beta s_k as in the paper, so s~^2 = alpha^2 s_q^2 + beta^2 s_k^2 fixes both:
-        alpha = sqrt(s~^2 / 2) / s_q,  beta = sqrt(s~^2 / 2) / s_k.
-    s~^2 from the softmax log-variance s^2 = s_q^2 s_k^2 (the variance of q . k / sqrt(D)):
-      'paper', 'kernel': moment matching, a s~^2 + b = s^2 with (a, b) = lln_fit(head_dim, match);
-      'entropy': LLN's mean row entropy equals softmax's on Gaussian inputs (lln_entropy_fit, interpolated;
-                 linear beyond s^2 = 8);
-      'none':    alpha = beta = 1 (LLN without moment matching).
-    s~^2 / 2 is clamped at 1e-4 (the linear fits give s~^2 < 0 when s^2 < b)."""
-    _check_lln_match(match)
+    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances, alpha s_q = beta s_k:
+    alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k. For the softmax log-variance s^2 = s_q^2 s_k^2,
+    s~^2 answers: 'paper' (the paper's question) equal log-variance of the attention, a s~^2 + b = s^2, (a, b)
+    = lln_fit; 'entropy' equal mean row entropy on Gaussian inputs (lln_entropy_fit); 'none' alpha = beta = 1
+    (the paper's ablation). s~^2 / 2 >= 1e-4 (the fit gives s~^2 < 0 when s^2 < b)."""
+    _choose('LLN match', match, LLN_MATCH)
     if match == 'none':
         return torch.ones_like(sigma2_q), torch.ones_like(sigma2_k)
     s2 = sigma2_q * sigma2_k
@@ -459,26 +339,22 @@ def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
         s2_grid, x_grid = lln_entropy_fit(head_dim)
         x = _interp(s2, s2_grid.to(s2), x_grid.to(s2))
     else:
-        a, b = lln_fit(head_dim, match)
+        a, b = lln_fit(head_dim)
         x = (s2 - b) / a
-    half = (x / 2).clamp_min(1e-4)
-    return half.sqrt() / sigma2_q.sqrt(), half.sqrt() / sigma2_k.sqrt()
-
+    half = (x / 2).clamp_min(1e-4).sqrt()
+    return half / sigma2_q.sqrt(), half / sigma2_k.sqrt()
 
 class LLNFeatureMap(FeatureMap):
     """Linear Log-Normal attention (Nahshan et al. 2023, Eq. 9-10): phi_q = exp(alpha q), phi_k = exp(beta k),
-    alpha, beta per head from the query/key variances by `lln_alpha_beta(..., match)`: match='paper' (default,
-    moment matching with the App. A.7 fit), 'kernel' (the numerator-only fit), 'entropy' (ours: LLN's row entropy
-    equals softmax's on Gaussian inputs), 'none' (alpha = beta = 1). F = D; queries shifted per token (FeatureMap).
-    Causal honesty: the official code takes sigma_q, sigma_k over the whole batch and sequence, so a token's
-    features depend on future tokens. Here the variances are buffers (init 1.0, i.e. unit-variance inputs):
-    set by `calibrate(q, k)`, and in training mode updated as an exponential moving average (momentum 0.1)
-    AFTER each forward, so a forward only uses statistics of earlier batches; in eval mode they are frozen.
-    No token's output can depend on later tokens of its own sequence."""
+    alpha, beta per head by lln_alpha_beta(.., match); F = D. The variances (the official code: of the whole
+    batch and sequence, later tokens included) are buffers, init 1: set by calibrate(q, k); in training an
+    exponential moving average (momentum 0.1) updated AFTER each forward, so causal; frozen in eval mode."""
+
+    log_domain = True
 
     def __init__(self, head_dim, n_heads, momentum=0.1, match='paper'):
         super().__init__(head_dim, n_heads)
-        _check_lln_match(match)
+        _choose('LLN match', match, LLN_MATCH)
         self.momentum, self.match = momentum, match
         self.register_buffer('sigma2_q', torch.ones(n_heads))
         self.register_buffer('sigma2_k', torch.ones(n_heads))
@@ -496,28 +372,20 @@ class LLNFeatureMap(FeatureMap):
     def alpha_beta(self):
         return lln_alpha_beta(self.sigma2_q.double(), self.sigma2_k.double(), self.head_dim, self.match)
 
-    log_domain = True
-
     def log_phi(self, x, which, offset):
-        alpha, beta = self.alpha_beta()
-        return (alpha if which == 'q' else beta).to(x.dtype)[None, :, None, None] * x
+        return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha q or beta k
 
-    def features(self, q, k, offset=0):
-        out = super().features(q, k, offset)
-        if self.training:  # statistics of this batch are used from the next forward on (causal honesty)
-            with torch.no_grad():
-                m = self.momentum
-                self.sigma2_q.lerp_(self._head_var(q).to(self.sigma2_q.dtype), m)
-                self.sigma2_k.lerp_(self._head_var(k).to(self.sigma2_k.dtype), m)
+    def features(self, q, k, offset=0, c_k=None):
+        out = super().features(q, k, offset, c_k)
+        if self.training:  # this batch's statistics are used from the next forward on (causal honesty)
+            self.sigma2_q.lerp_(self._head_var(q).to(self.sigma2_q.dtype), self.momentum)
+            self.sigma2_k.lerp_(self._head_var(k).to(self.sigma2_k.dtype), self.momentum)
         return out
 
-
 class DoFFeatureMap(FeatureMap):
-    """Learned weighted positive random features (Degrees-of-Freedom paper, Sec. 3, Eq. 8):
-    phi(x)_m = sqrt(a_m / M) exp(z_m . x / D^1/4 - |x|^2 / (2 sqrt(D))), m = 1..M, per head;
-    z_m init orthogonal N(0, I) rows (then trained), a_m = exp(log_a_m) > 0 with log_a init 0, so at init
-    phi(q) . phi(k) is Performer's unbiased estimate of exp(q . k / sqrt(D)). M = feature_dim (default D),
-    chosen per layer by convert.py's DoF selection. Queries shifted per token (FeatureMap), keys exact."""
+    """Learned weighted positive random features (DoF paper, Sec. 3, Eq. 8): phi(x)_m = sqrt(a_m / M)
+    exp(z_m . x / D^1/4 - |x|^2 / (2 sqrt(D))) per head, z_m init orthogonal N(0, I), a_m = exp(log_a_m), log_a
+    init 0 (Performer's unbiased estimate at init); both trained. M = feature_dim (default D)."""
 
     log_domain = True
 
@@ -533,353 +401,303 @@ class DoFFeatureMap(FeatureMap):
         u = _per_head_linear(x, self.z) * D ** -0.25 - (x * x).sum(-1, keepdim=True) / (2 * math.sqrt(D))
         return u + 0.5 * self.log_a.to(x.dtype)[None, :, None, :] - 0.5 * math.log(M)
 
-
-FEATURE_MAPS = {
-    'elu': EluFeatureMap,
-    'relu': ReluFeatureMap,
-    't2r': T2RFeatureMap,
-    'performer': PerformerFeatureMap,
-    'cosformer': CosformerFeatureMap,
-    'taylor': TaylorFeatureMap,
-    'exp': ExpFeatureMap,
-    'hedgehog': HedgehogFeatureMap,
-    'lolcats': LolcatsFeatureMap,
-    'lln': LLNFeatureMap,
-    'dof': DoFFeatureMap,
-}
+FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureMap, 'performer': PerformerFeatureMap,
+                'cosformer': CosformerFeatureMap, 'taylor': TaylorFeatureMap, 'exp': ExpFeatureMap,
+                'hedgehog': HedgehogFeatureMap, 'lolcats': LolcatsFeatureMap, 'lln': LLNFeatureMap,
+                'dof': DoFFeatureMap}
 ATTN_CHOICES = ['softmax'] + list(FEATURE_MAPS)
-IMPLS = ('quadratic', 'chunked', 'recurrent')
-
 
 def make_feature_map(name, head_dim, n_heads, **options):
-    """FEATURE_MAPS[name](head_dim, n_heads, **options) with clear errors for unknown names/options."""
-    if name not in FEATURE_MAPS:
-        raise ValueError(f"unknown feature map {name!r}; choose one of: {', '.join(FEATURE_MAPS)}")
-    try:
-        return FEATURE_MAPS[name](head_dim=head_dim, n_heads=n_heads, **options)
-    except TypeError as e:
-        raise ValueError(f"bad options {options} for feature map {name!r}: {e}") from None
+    """FEATURE_MAPS[name](head_dim, n_heads, **options), the options checked as AttnSpec checks them."""
+    _choose('feature map', name, FEATURE_MAPS)
+    AttnSpec(name, options=options)
+    return FEATURE_MAPS[name](head_dim, n_heads, **options)
 
 
 # -----------------------------------------------------------------------------
-# 3. linear attention: quadratic, chunked, recurrent
+# 3. the attention choice as one value
 
-def _check_linear_inputs(phi_q, phi_k, v, impl, initial_state):
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; choose one of: {', '.join(IMPLS)}")
-    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape:
-        raise ValueError(f"phi_q {tuple(phi_q.shape)} and phi_k {tuple(phi_k.shape)} must both be (B, H, T, F)")
-    if v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
-        raise ValueError(f"v {tuple(v.shape)} must be (B, H, T, D) with the B, H, T of phi_k {tuple(phi_k.shape)}")
-    if initial_state is not None:
-        S0, z0 = initial_state
-        B, H, _, Fd = phi_k.shape
-        if S0.shape != (B, H, Fd, v.shape[-1]) or z0.shape != (B, H, Fd):
-            raise ValueError(f"initial_state must be (S (B, H, F, D), z (B, H, F)) = "
-                             f"{(B, H, Fd, v.shape[-1])}, {(B, H, Fd)}; got {tuple(S0.shape)}, {tuple(z0.shape)}")
+IMPLS = ('quadratic', 'chunked', 'recurrent', 'triton')
+WINDOW_COMBINES = ('joint', 'mix')
+OPTION_ALIASES = {'t': 'temperature', 'f': 'feature_dim'}
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """The attention of a layer as 'name[:key=value..]': 'softmax', 'hedgehog:feature_dim=64', 'exp:t=2',
+    'lolcats:window=64:combine=mix', 'lln:diag_block=64'. parse reads it, str() writes it without defaults. Keys
+    other than the fields are the map's options (t = temperature, f = feature_dim), values JSON where they parse.
+    A changed copy: dataclasses.replace(spec, impl='recurrent') (options may be a dict)."""
+    name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
+    window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs)
+    combine: str = 'joint'    # the window form: joint | mix
+    diag_block: int = 0       # > 0: block-diagonal softmax + linear (LLN+Diag)
+    impl: str = 'chunked'     # the linear-attention path: quadratic | chunked | recurrent | triton
+    options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
+
+    def __post_init__(self):
+        object.__setattr__(self, 'options', tuple(sorted(dict(self.options).items())))
+        _choose('attention', self.name, ATTN_CHOICES)
+        _choose('window combine', self.combine, WINDOW_COMBINES)
+        _choose('impl', self.impl, IMPLS)
+        known = list(inspect.signature(FEATURE_MAPS.get(self.name, FeatureMap)).parameters)[2:]
+        unknown = [key for key, _ in self.options if key not in known]
+        for bad, why in ((self.window < 0 or self.diag_block < 0, "window and diag_block must be >= 0"),
+                         (self.window and self.diag_block, "choose one hybrid, window or diag_block, not both"),
+                         (self.combine != 'joint' and not self.window, "combine is the window's form: set window"),
+                         (self.impl == 'triton' and self.window, "the window hybrid has no triton path"),
+                         (self.name == 'softmax' and (self.window or self.diag_block), "softmax takes no hybrid"),
+                         (unknown, f"unknown option(s) {', '.join(unknown)}; {self.name}'s options: "
+                                   f"{', '.join(known) or 'none'}")):
+            if bad:
+                raise ValueError(f"attention spec '{self}': {why}")
+
+    @classmethod
+    def parse(cls, s):
+        if isinstance(s, cls):
+            return s
+        name, *items = str(s).split(':')
+        fields_, options = {}, {}
+        for item in items:
+            key, eq, value = item.partition('=')
+            key = OPTION_ALIASES.get(key, key)
+            if not eq or key in fields_ or key in options:
+                raise ValueError(f"attention spec {s!r}: expected name:key=value:.. with distinct keys, got {item!r}")
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+            (fields_ if key in ('window', 'combine', 'diag_block', 'impl') else options)[key] = value
+        return cls(name, options=options, **fields_)
+
+    def __str__(self):
+        parts = [self.name] + [f'{f.name}={getattr(self, f.name)}' for f in fields(self)[1:-1]
+                               if getattr(self, f.name) != f.default]
+        return ':'.join(parts + [f'{k}={v if isinstance(v, str) else json.dumps(v, default=str)}'
+                                 for k, v in self.options])
 
 
-def _zero_state(phi_k, v):
-    B, H, _, Fd = phi_k.shape
-    return phi_k.new_zeros(B, H, Fd, v.shape[-1]), phi_k.new_zeros(B, H, Fd)
+# -----------------------------------------------------------------------------
+# 4. linear attention: quadratic, chunked, recurrent, triton
 
+def _check_linear_inputs(phi_q, phi_k, v, impl, initial_state, impls=IMPLS):
+    _choose('impl', impl, impls)
+    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
+        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got {tuple(phi_q.shape)}, "
+                         f"{tuple(phi_k.shape)}, {tuple(v.shape)}")
 
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None):
-    """Unnormalised linear attention: (num (B, H, T, D) float32, den (B, H, T) float32, final state (S, z)).
-    num_t = phi_q_t^T S_t, den_t = phi_q_t^T z_t, with S_t, z_t over s <= t (causal) or all s (bidirectional),
-    starting from initial_state (S_0, z_0). The final state includes every token."""
-    _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
-    q, k, v = _acc(phi_q), _acc(phi_k), _acc(v)
-    S0, z0 = initial_state if initial_state is not None else _zero_state(k, v)
-    S0, z0 = S0.to(q.dtype), z0.to(q.dtype)
-
-    if impl == 'recurrent':  # one token at a time: S += phi_k_t v_t^T, z += phi_k_t, read out phi_q_t
-        S, z = S0, z0
-        nums, dens = [], []
-        for t in range(k.shape[-2]):
-            S = S + k[:, :, t, :, None] * v[:, :, t, None, :]  # (B, H, F, D)
-            z = z + k[:, :, t]  # (B, H, F)
-            if causal:
-                nums.append((q[:, :, t, :, None] * S).sum(-2))
-                dens.append((q[:, :, t] * z).sum(-1))
-        if not causal:  # bidirectional: read out once the whole sequence is in the state
-            return q @ S, (q * z[:, :, None, :]).sum(-1), (S, z)
-        return torch.stack(nums, 2), torch.stack(dens, 2), (S, z)
-
-    if impl == 'quadratic' or not causal:
-        S_all, z_all = S0 + k.transpose(-2, -1) @ v, z0 + k.sum(-2)  # (B, H, F, D), (B, H, F)
-        if impl == 'chunked':  # chunked, bidirectional: one state over the whole sequence
-            return q @ S_all, (q * z_all[:, :, None, :]).sum(-1), (S_all, z_all)
-        A = q @ k.transpose(-2, -1)  # (B, H, T, T), A_ts = phi_q_t . phi_k_s
-        if causal:
-            A = A.tril()
-        num = A @ v + q @ S0
-        den = A.sum(-1) + (q * z0[:, :, None, :]).sum(-1)
-        return num, den, (S_all, z_all)
-
-    # chunked, causal: intra-chunk quadratic (masked) + inter-chunk state from a cumsum over chunks.
-    # Memory O(T F D / C) for the per-chunk states instead of O(T F D) for a per-token cumsum.
-    # The normaliser rides along as an extra value column of ones: [S | z] = sum phi_k [v | 1]^T.
+    """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D), den_t = phi_q_t^T z_t
+    (B, H, T) and the final (S, z), float32; S_t, z_t over s <= t (causal) or all s, from initial_state. The
+    normaliser rides along as a value column of ones: [S | z] = sum_s phi_k_s [v_s | 1]^T, (B, H, F, D + 1)."""
+    _check_linear_inputs(phi_q, phi_k, v, impl, initial_state, IMPLS[:3])
+    q, k, v1 = _acc(phi_q), _acc(phi_k), F.pad(_acc(v), (0, 1), value=1.0)  # v1 = [v | 1] (B, H, T, D + 1)
     B, H, T, Fd = q.shape
-    D, C = v.shape[-1], chunk_size
-    n = math.ceil(T / C)
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # (B, H, T, D + 1)
-    pad = n * C - T
-    if pad:  # zero features add nothing to the state, and padded rows are cut off below
-        q, k, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
-    q, k, v1 = (t.view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B, H, n, C, *)
-    state = torch.cumsum(k.transpose(-2, -1) @ v1, dim=2)  # (B, H, n, F, D + 1) [S | z] after each chunk
-    out = (q @ k.transpose(-2, -1)).tril() @ v1  # (B, H, n, C, D + 1) intra-chunk
-    out[:, :, 1:] += q[:, :, 1:] @ state[:, :, :-1]  # inter-chunk: the state before chunk i is after i - 1
-    Sz0 = torch.cat([S0, z0[..., None]], -1)  # (B, H, F, D + 1)
-    if initial_state is not None:
-        out = out + q @ Sz0[:, :, None]
-    out = out.reshape(B, H, n * C, D + 1)[:, :, :T]
-    final = Sz0 + state[:, :, -1]
-    return out[..., :D], out[..., D], (final[..., :D], final[..., D])
+    Sz0 = q.new_zeros(B, H, Fd, v1.shape[-1]) if initial_state is None else \
+        torch.cat([initial_state[0], initial_state[1][..., None]], -1).to(q.dtype)
+    Sz = Sz0 + k.transpose(-2, -1) @ v1  # the final state, all tokens in
+    if not causal:  # bidirectional: quadratic materialises phi_q phi_k^T, the others read out one state
+        out = q @ k.transpose(-2, -1) @ v1 + q @ Sz0 if impl == 'quadratic' else q @ Sz
+    elif impl == 'quadratic':
+        out = (q @ k.transpose(-2, -1)).tril() @ v1 + q @ Sz0  # A_ts = phi_q_t . phi_k_s, s <= t
+    elif impl == 'recurrent':  # one token at a time: [S | z] += phi_k_t [v_t | 1]^T, read out phi_q_t
+        outs, Sz = [], Sz0
+        for t in range(T):
+            Sz = Sz + torch.einsum('bhf,bhd->bhfd', k[:, :, t], v1[:, :, t])
+            outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], Sz))
+        out = torch.stack(outs, 2)
+    else:  # chunked: intra-chunk quadratic + the state carried across chunks by a cumsum, O(T F D / C) memory
+        C, n = chunk_size, math.ceil(T / chunk_size)
+        q, k, v1 = (F.pad(t, (0, 0, 0, n * C - T)).view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B, H, n, C, *)
+        after = torch.cumsum(k.transpose(-2, -1) @ v1, dim=2)  # (B, H, n, F, D + 1): [S | z] after each chunk
+        before = Sz0[:, :, None] + F.pad(after[:, :, :-1], (0, 0, 0, 0, 1, 0))  # and before it (not cumsum - x)
+        out = ((q @ k.transpose(-2, -1)).tril() @ v1 + q @ before).reshape(B, H, n * C, -1)[:, :, :T]
+    D = v1.shape[-1] - 1
+    return out[..., :D], out[..., D], (Sz[..., :D], Sz[..., D])
 
 
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chunk_size=64,
                      initial_state=None, return_state=False):
-    """Normalised linear attention y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020).
-    phi_q, phi_k (B, H, T, F); v (B, H, T, D) -> y (B, H, T, D) in v's dtype; state, num, den in float32.
-    impl: 'quadratic' | 'chunked' | 'recurrent'; causal=False is the bidirectional (encoder) form.
-    initial_state=(S_0, z_0) continues a sequence; return_state=True also returns the final (S, z).
-    On CUDA the causal chunked path runs kernels.py's Triton kernel when Triton is available and F <= 256,
-    D <= 128."""
-    if phi_q.is_cuda and causal and impl == 'chunked' and _triton_available():
-        import kernels
-        if kernels.supports(phi_q.shape[-1], v.shape[-1]):  # else (e.g. Taylor's F = 1 + D + D^2): PyTorch
-            _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
-            return kernels.triton_causal_linear_attention(phi_q, phi_k, v, eps=eps, initial_state=initial_state,
-                                                          return_state=return_state)
+    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020): phi_q, phi_k (B, H, T, F), v
+    (B, H, T, D) -> y in v's dtype [, final (S, z) float32]; initial_state (S_0, z_0) continues a sequence.
+    impl 'chunked' runs the Triton kernel on CUDA where it fits (causal, F <= 256, D <= 128); 'triton' insists."""
+    _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
+    Fd, D = phi_q.shape[-1], v.shape[-1]
+    if impl == 'triton' or (impl == 'chunked' and causal and v.is_cuda and kernels.supports(Fd, D)):
+        if not (causal and kernels.triton_available(v) and kernels.supports(Fd, D)):
+            raise ValueError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
+                             f"F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
+                             f"{v.device.type}, F={Fd}, D={D}: use impl='chunked'")
+        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state)
     num, den, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state)
     y = (num / (den[..., None] + eps)).to(v.dtype)
     return (y, state) if return_state else y
 
-
-@functools.lru_cache(maxsize=None)
-def _triton_available():
-    try:
-        import triton  # noqa: F401
-        import kernels  # noqa: F401
-        return hasattr(kernels, 'triton_causal_linear_attention')
-    except ImportError:
-        return False
-
-
 def linear_attention_weights(phi_q, phi_k, causal=True, eps=EPS):
-    """The (B, H, T, T) matrix of linear attention weights phi_q_t . phi_k_s / (sum_s' ... + eps)."""
-    A = phi_q.float() @ phi_k.float().transpose(-2, -1)
-    if causal:
-        A = A.masked_fill(~causal_mask(A.shape[-2], A.shape[-1], A.device), 0.0)
-    return A / (A.sum(-1, keepdim=True) + eps)
+    """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
+    B, H, T, _ = phi_q.shape
+    eye = torch.eye(T, device=phi_q.device, dtype=_acc(phi_q).dtype).expand(B, H, T, T)
+    return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', eps)
 
 
 # -----------------------------------------------------------------------------
-# 4. hybrids
+# 5. hybrids: sliding-window softmax + linear (LoLCATs), block-diagonal softmax + linear (LLN+Diag)
 
-def _band_blocks(x, w, pad_value=0.0):
-    """(B, H, T, E) -> (B, H, n, 3w, E): for each block of w queries, the keys of the previous, current
-    and next block (zero-padded at the ends), n = ceil(T / w)."""
+def _band_blocks(x, w):
+    """(B, H, T, E) -> (B, H, n, 3w, E): for each block of w queries, the keys of the previous, current and
+    next block (zero-padded at the ends), n = ceil(T / w)."""
     B, H, T, E = x.shape
     n = math.ceil(T / w)
-    x = F.pad(x, (0, 0, w, (n + 1) * w - T), value=pad_value)  # (B, H, (n + 2) w, E)
+    x = F.pad(x, (0, 0, w, (n + 1) * w - T))  # (B, H, (n + 2) w, E)
     return torch.cat([x[:, :, i * w:(i + n) * w].reshape(B, H, n, w, E) for i in range(3)], dim=3)
 
+def _in_window(i, j, w, causal):
+    """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees the rest."""
+    return ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
 
-WINDOW_COMBINES = ('joint', 'mix')
+def _window_softmax(q, k, v, visible):
+    """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij =
+    q_i.k_j / sqrt(D), m_i the row's largest visible score (0 for a row that sees no key)."""
+    s = torch.einsum('...id,...jd->...ij', q, k).masked_fill(~visible, float('-inf')) * q.shape[-1] ** -0.5
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    a = torch.exp(s - m)
+    return a @ v, a.sum(-1), m[..., 0]
 
-
-def combine_window_linear(num_w, den_w, m, num_l, den_l, c_q, factor, combine='joint'):
-    """Combine the window (softmax) and linear parts of the sliding-window hybrid; every tensor is per query row:
-    num_w (.., D), den_w (..) = sum_{j in W(i)} exp(s_ij - m_i) [num_w with v_j], m (..) the row's max window
-    score, num_l (.., D), den_l (..) = the linear sums with the shifted query features phi_q' = phi_q exp(-c_q).
-      joint (LoLCATs, ICLR 2025 version, Eq. 8, and its official code): one normalisation over both parts with
-             window weights gamma exp(s_ij - m_i) and linear weights phi(q_i).phi(k_j):
-             y = (gamma den_w y_w + E_l y_l) / (gamma den_w + E_l),  E_l = exp(c_q) den_l,  gamma = factor (H,).
-             The row max m_i is NOT compensated in the linear term: every window weight is <= gamma, on the
-             scale of the feature kernel, whatever the size of q.k (an exactly normalised softmax window would
-             outweigh any bounded feature kernel by exp(m_i), e^20 and more with a real LLM's attention sinks).
-      mix   (LoLCATs workshop paper, Eq. 8): two separately normalised attentions mixed by a learned
-             s = factor (H,): y = s y_w + (1 - s) y_l.
-    y_w = num_w / den_w, y_l = num_l / den_l. The two masses are compared in log space (exp(c_q) is never
-    formed: no overflow). A row with no linear keys (den_l = 0: the first `window` tokens) is the window part
-    alone; a row with no window keys (a padded query of a padded batch) is the linear part alone, 0 with neither.
-    Returns (y float32, p) with p the weight of the window part, (..)."""
+def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
+    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
+    _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i)
+            and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are
+            <= gamma, on the kernel's scale (an exact softmax window would outweigh it by exp(m_i), e^20 and
+            more with attention sinks);
+      mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
+    Masses compare in log space. A row without linear keys is the window part, one without window keys the
+    linear part, 0 with neither. Returns (y float32, p the window part's weight)."""
     has_w, has_l = den_w > 0, den_l > 0
     one = torch.ones_like(den_w)
-    y_w = num_w / torch.where(has_w, den_w, one)[..., None]
-    y_l = num_l / torch.where(has_l, den_l, one)[..., None]
-    f = factor.to(den_w.dtype).view(1, -1, *([1] * (den_w.dim() - 2)))  # (1, H, 1...) against (B, H, ...)
-    if combine == 'joint':
-        log_w = torch.where(has_w, torch.log(f) + torch.log(torch.where(has_w, den_w, one)), 0 * one)
-        log_l = torch.where(has_l, c_q + torch.log(torch.where(has_l, den_l, one)), 0 * one)
-        p = torch.sigmoid(log_w - log_l)
-    elif combine == 'mix':
-        p = f.expand_as(den_w)
-    else:
-        raise ValueError(f"unknown window_combine {combine!r}; choose one of: {', '.join(WINDOW_COMBINES)}")
-    p = torch.where(has_l, p, one)
-    p = torch.where(has_w, p, 0 * one)
-    return p[..., None] * y_w + (1 - p[..., None]) * y_l, p
+    den_w, den_l = torch.where(has_w, den_w, one), torch.where(has_l, den_l, one)
+    f = factor.to(den_w.dtype).view(1, -1, *([1] * (den_w.dim() - 2)))  # (1, H, 1..) against (B, H, ..)
+    _choose('window combine', combine, WINDOW_COMBINES)
+    p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log()) if combine == 'joint' else f.expand_as(den_w)
+    p = torch.where(has_w, torch.where(has_l, p, one), 0 * one)[..., None]
+    return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None], p[..., 0]
 
-
-def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, eps=EPS,
-                            key_padding_mask=None, impl='chunked', chunk_size=64, return_weights=False,
-                            c_q=None, combine='joint'):
-    """Sliding-window softmax + linear attention (LoLCATs-w). Window W(i) = {i - window < j <= i} (causal) or
-    {|i - j| < window} (bidirectional): softmax weights exp(q_i.k_j / sqrt D); the linear term covers
-    j <= i - window (causal) or |i - j| >= window with phi(q_i).phi(k_j). The two parts are combined by
-    `combine_window_linear` ('joint': one normalisation, window weights exp(s_ij - m_i) times gamma = factor;
-    'mix': separately normalised, mixed with s = factor). phi_q may carry a per-query shift: exact phi(q) = phi_q exp(c_q)
-    (c_q (B, H, T), default 0). Memory O(T window + T F D / chunk): the window part is computed in blocks of
-    `window` queries against 2-3 blocks of keys, the linear part by shifting keys `window` steps."""
+def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, key_padding_mask=None,
+                            impl='chunked', chunk_size=64, c=None, combine='joint'):
+    """Sliding-window softmax + linear attention (LoLCATs-w): softmax over W(i) = {i - window < j <= i} (causal)
+    or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c) phi_q.phi_k, c (B, H, T)).
+    O(T window + T F D / chunk) memory: windows in blocks of `window` queries, linear keys shifted `window`."""
     B, H, T, D = q.shape
     w = window
-    c_q = _acc(phi_q).new_zeros(B, H, T) if c_q is None else _acc(c_q)
-    # the window (softmax) part, blockwise
+    c = _acc(phi_q).new_zeros(B, H, T) if c is None else _acc(c)
     qb = F.pad(_acc(q), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, D)  # (B, H, n, w, D)
-    kb, vb = _band_blocks(_acc(k), w), _band_blocks(_acc(v), w)  # (B, H, n, 3w, D)
     n = qb.shape[2]
-    i = torch.arange(n, device=q.device)[:, None, None] * w + torch.arange(w, device=q.device)[None, :, None]
-    j = torch.arange(n, device=q.device)[:, None, None] * w - w + torch.arange(3 * w, device=q.device)[None, None, :]
-    valid = (j >= 0) & (j < T)  # (n, w, 3w)
+    i = (torch.arange(n, device=q.device) * w)[:, None, None] + torch.arange(w, device=q.device)[:, None]
+    j = (torch.arange(n, device=q.device) * w - w)[:, None, None] + torch.arange(3 * w, device=q.device)
+    visible = (j >= 0) & (j < T) & _in_window(i, j, w, causal)  # (n, w, 3w)
     if key_padding_mask is not None:
-        keep = _band_blocks(key_padding_mask[:, None, :, None].float(), w).squeeze(-1) > 0.5  # (B, 1, n, 3w)
-        valid = valid & keep[:, :, :, None, :]
-    in_window = ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
-    s = (qb @ kb.transpose(-2, -1)) * D ** -0.5  # (B, H, n, w, 3w)
-    s = s.masked_fill(~(valid & in_window), float('-inf'))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a padded query may see no window key
-    a_sm = torch.exp(s - m)  # (B, H, n, w, 3w), 0 outside the window
-    # the linear part: keys outside the window
+        keep = _band_blocks(key_padding_mask[:, None, :, None].float(), w)[..., 0] > 0.5  # (B, 1, n, 3w)
+        visible = visible & keep[:, :, :, None, :]
+    cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
+    num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(_acc(k), w), _band_blocks(_acc(v), w),
+                                                        visible))
     pk = _acc(phi_k) if key_padding_mask is None else _acc(phi_k) * key_padding_mask[:, None, :, None]
     shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
     num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, impl, chunk_size)
-    if not causal:  # plus keys j >= i + w: the same, run backwards in time
-        flip = lambda x: x.flip(2)  # noqa: E731
-        num_r, den_r, _ = linear_attention_parts(flip(phi_q), shift(flip(pk)), shift(flip(v)), True, impl, chunk_size)
-        num_l, den_l = num_l + flip(num_r), den_l + flip(den_r)
-    cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
-    m_t = cut(m.squeeze(-1))
-    y, p = combine_window_linear(cut(a_sm @ vb), cut(a_sm.sum(-1)), m_t, num_l, den_l, c_q, factor, combine)
-    y = y.to(v.dtype)
-    if not return_weights:
-        return y
-    # the full (B, H, T, T) matrix, for distillation and fidelity (quadratic, short sequences only)
-    ii, jj = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
-    win = ((ii - jj < w) & (ii >= jj)) if causal else ((ii - jj).abs() < w)
-    lin = (ii - jj >= w) if causal else ((ii - jj).abs() >= w)
-    E = torch.exp((_acc(q) @ _acc(k).transpose(-2, -1)) * D ** -0.5 - m_t[..., None]).masked_fill(~win, 0.0)
-    if key_padding_mask is not None:
-        E = E.masked_fill(~key_padding_mask[:, None, None, :], 0.0)
-    L = (_acc(phi_q) @ pk.transpose(-2, -1)).masked_fill(~lin, 0.0)
-    Ew, Ll = E.sum(-1, keepdim=True), L.sum(-1, keepdim=True)
-    p = p[..., None]
-    W = p * E / torch.where(Ew > 0, Ew, torch.ones_like(Ew)) + (1 - p) * L / torch.where(Ll > 0, Ll, torch.ones_like(Ll))
-    return y, W
-
+    if not causal:  # plus the keys j >= i + w: the same, backwards in time
+        num_r, den_r, _ = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, impl,
+                                                 chunk_size)
+        num_l, den_l = num_l + num_r.flip(2), den_l + den_r.flip(2)
+    return combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine)[0].to(v.dtype)
 
 @torch.no_grad()
 def window_mass(q, k, window, causal=True):
-    """How much softmax attention falls inside the sliding window: (sum over query rows of the mass of
-    softmax(q_i.k_j / sqrt D) on j in W(i), per head (H,) float64, number of rows summed). Only rows that also
-    have keys outside the window count (causal: i >= window). One batch element at a time (H x T x T floats)."""
+    """The softmax mass inside the sliding window: (its sum over the rows that also have keys outside, per head
+    (H,) float64, the number of those rows). One batch element at a time (H x T x T floats)."""
     T = q.shape[-2]
-    i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
-    inside = ((i - j < window) & (i >= j)) if causal else ((i - j).abs() < window)
-    rows = (torch.arange(T, device=q.device) >= window) if causal else ((i - j).abs() >= window).any(-1)
+    i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
+    inside = _in_window(i, j, window, causal)
+    rows = (j >= window) if causal else (~inside).any(-1)
     total = torch.zeros(q.shape[1], dtype=torch.float64, device=q.device)
     for b in range(q.shape[0]):
-        W = softmax_weights(q[b:b + 1], k[b:b + 1], causal)[0]  # (H, T, T)
-        total += (W * inside).sum(-1)[:, rows].double().sum(-1)
+        total += (softmax_weights(q[b:b + 1], k[b:b + 1], causal)[0] * inside).sum(-1)[:, rows].double().sum(-1)
     return total, int(rows.sum()) * q.shape[0]
 
-
-def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None, return_weights=False):
-    """Softmax attention restricted to diagonal blocks of `block` tokens (LLN+Diag, Nahshan et al. 2023,
-    Sec. 4.2); the last block may be shorter. Causal inside a block when causal=True."""
+def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
+    """Softmax attention inside diagonal blocks of `block` tokens (LLN+Diag, Nahshan et al. 2023, Sec. 4.2);
+    the last block may be shorter; causal inside a block when causal=True."""
     B, H, T, D = q.shape
     n = math.ceil(T / block)
     pad = n * block - T
-    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, D) for t in (q, k, v))
-    pos = torch.arange(n * block, device=q.device).reshape(n, block)
-    mask = (pos[:, None, :] < T).expand(n, block, block)  # real keys
+    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, t.shape[-1]) for t in (q, k, v))
+    mask = (torch.arange(n * block, device=q.device) < T).view(1, 1, n, 1, block)  # real keys
     if causal:
         mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
-    mask = mask[None, None]
     if key_padding_mask is not None:
-        keep = F.pad(key_padding_mask, (0, pad)).reshape(B, 1, n, 1, block)
-        mask = mask & keep
-    # a padded query row may see no key at all: let it see its own position so softmax stays finite
-    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)
-    y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, D)[:, :, :T]
-    if not return_weights:
-        return y
-    s = (qb.float() @ kb.float().transpose(-2, -1)) * D ** -0.5
-    wb = torch.softmax(s.masked_fill(~mask, float('-inf')), -1)  # (B, H, n, block, block)
-    W = q.new_zeros(B, H, n * block, n * block, dtype=torch.float32)
-    for b in range(n):
-        W[:, :, b * block:(b + 1) * block, b * block:(b + 1) * block] = wb[:, :, b]
-    return y, W[:, :, :T, :T]
+        mask = mask & F.pad(key_padding_mask, (0, pad)).view(B, 1, n, 1, block)
+    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself: finite
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
 
 
 # -----------------------------------------------------------------------------
-# 5. the attention core of one layer
+# 6. the attention core of one layer
+
+def _grow(cache, x, n):
+    """Write x (B, H, T, D) at positions n, n+1, .. of a KV cache (B, H, capacity, D), doubling the capacity
+    when it is full: one copy now and then instead of a copy of the whole cache at every token."""
+    if n + x.shape[2] > cache.shape[2]:
+        new = cache.new_empty(*cache.shape[:2], max(2 * cache.shape[2], n + x.shape[2]), cache.shape[3])
+        new[:, :, :n] = cache[:, :, :n]
+        cache = new
+    cache[:, :, n:n + x.shape[2]] = x
+    return cache
 
 class Attention(nn.Module):
-    """The attention of one layer, chosen by name: 'softmax' or any FEATURE_MAPS key, optionally as a hybrid
-    (window > 0: sliding-window softmax + linear, LoLCATs; diag_block > 0: block-diagonal softmax + linear,
-    outputs averaged, LLN+Diag). Owns the feature map (per-head parameters) and the window factors; q, k, v
-    come from the model's projections, after RoPE, with GQA keys/values repeated to n_heads.
-        y = core(q, k, v)                                   # (B, H, T, D)
-        y, state = core(q, k, v, state=None, return_state=True)   # prefill
-        y, state = core(q1, k1, v1, state=state, return_state=True)  # continue (decode)
-    `teacher = True` makes the core compute exact softmax attention whatever its map (convert.py).
-    kv_groups = n_heads / n_kv_heads of a grouped-query model: k, v still arrive repeated to n_heads (every map
-    is per query head), but the softmax KV cache keeps only the model's own n_kv_heads."""
+    """The attention of one layer, chosen by an AttnSpec (or its string); owns the feature map and the window
+    factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v repeated to H heads (the
+    maps are per query head); kv_groups = H / H_kv: decode states keep the H_kv key/value heads only. max_len:
+    cosformer's M unless the spec sets it (the model's block_size). teacher = True: exact softmax (conversion).
+        y = core(q, k, v)                                            # (B, H, T, D)
+        y, state = core(q, k, v, return_state=True)                  # prefill
+        y, state = core(q1, k1, v1, state=state, return_state=True)  # decode; a state is updated in place"""
 
-    def __init__(self, attn, head_dim, n_heads, causal=True, window=0, diag_block=0, impl='chunked',
-                 eps=EPS, chunk_size=64, window_combine='joint', kv_groups=1, **map_options):
+    def __init__(self, spec, head_dim, n_heads, causal=True, kv_groups=1, max_len=None):
         super().__init__()
-        if attn not in ATTN_CHOICES:
-            raise ValueError(f"unknown attention {attn!r}; choose one of: {', '.join(ATTN_CHOICES)}")
-        if impl not in IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; choose one of: {', '.join(IMPLS)}")
-        if window_combine not in WINDOW_COMBINES:
-            raise ValueError(f"unknown window_combine {window_combine!r}; choose one of: {', '.join(WINDOW_COMBINES)}")
-        if window and diag_block:
-            raise ValueError("choose one hybrid: window > 0 (LoLCATs) or diag_block > 0 (LLN+Diag), not both")
-        if window < 0 or diag_block < 0:
-            raise ValueError(f"window and diag_block must be >= 0, got {window}, {diag_block}")
-        if attn == 'softmax' and (window or diag_block or map_options):
-            raise ValueError("softmax attention takes no feature-map options, window or diag_block")
-        self.attn, self.head_dim, self.n_heads, self.causal = attn, head_dim, n_heads, causal
-        self.window, self.diag_block, self.impl, self.eps, self.chunk_size = window, diag_block, impl, eps, chunk_size
-        self.window_combine = window_combine
-        self.kv_groups = kv_groups  # GQA: k, v arrive repeated to n_heads; the KV cache keeps n_heads / kv_groups
-        self.teacher = False
-        self.fmap = None if attn == 'softmax' else make_feature_map(attn, head_dim, n_heads, **map_options)
-        if window:
-            # joint: gamma = sigmoid(theta) on the window weights, gamma = 0.1 at init (LoLCATs' official code:
-            # init_window_factor = -2.197); mix: s = sigmoid(theta) on the window part, theta = 0 (s = 1/2) until
-            # calibrate() sets s to the teacher's mean attention mass inside the window (see calibrate)
-            theta = math.log(0.1 / 0.9) if window_combine == 'joint' else 0.0
+        self.spec = spec = AttnSpec.parse(spec)
+        if kv_groups < 1 or n_heads % kv_groups:
+            raise ValueError(f"kv_groups must divide n_heads={n_heads}, got {kv_groups}")
+        self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
+        self.chunk_size, self.teacher = 64, False
+        options = dict(spec.options)
+        if spec.name == 'cosformer' and max_len is not None:
+            options.setdefault('max_len', max_len)
+        self.fmap = None if spec.name == 'softmax' else FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
+        if spec.window:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' official code: -2.197);
+            # mix: s = sigmoid(theta) = 1/2 until calibrate() sets it from the teacher
+            theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((n_heads,), theta))
 
+    attn = property(lambda self: self.spec.name)
+    window = property(lambda self: self.spec.window)
+    window_combine = property(lambda self: self.spec.combine)
+    diag_block = property(lambda self: self.spec.diag_block)
+    impl = property(lambda self: self.spec.impl)
+
+    @property
+    def kind(self):
+        if self.fmap is None or self.teacher:
+            return 'softmax'
+        return 'window' if self.window else 'diag' if self.diag_block else 'linear'
+
     def factor(self):
-        """The window factor through its sigmoid, per head: gamma (joint) or s (mix), both on the window part."""
+        """The window factor through its sigmoid, per head: gamma (joint) or s (mix), on the window part."""
         return torch.sigmoid(self.window_factor)
 
     @torch.no_grad()
     def calibrate(self, q, k):
-        """Data-dependent initialisation from teacher queries/keys (B, H, T, D) (convert.py calls it before
-        stage 1): LLN's moment-matching statistics, and for the 'mix' window hybrid s per head = the teacher's
-        mean softmax mass inside the window over the rows that have keys outside it (`window_mass`): s is the
-        window's share in y = s y_w + (1 - s) y_l, so this is the mix that is exact for an average row."""
-        if self.fmap is not None and hasattr(self.fmap, 'calibrate'):
+        """Initialisation from teacher queries/keys (B, H, T, D): LLN's statistics; the mix form's s = the teacher's
+        mean softmax mass inside the window (window_mass), exact for an average row."""
+        if hasattr(self.fmap, 'calibrate'):
             self.fmap.calibrate(q, k)
         if self.window and self.window_combine == 'mix':
             total, rows = window_mass(q, k, self.window, self.causal)
@@ -888,255 +706,166 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def set_window_mix(self, s):
-        """Set the 'mix' factor s (H,) (clamped to [1e-4, 1 - 1e-4])."""
-        s = torch.as_tensor(s, dtype=torch.float64).clamp(1e-4, 1 - 1e-4)
-        self.window_factor.copy_(torch.logit(s).to(self.window_factor))
+        """Set the mix factor s (H,) (clamped to [1e-4, 1 - 1e-4])."""
+        self.window_factor.copy_(torch.logit(torch.as_tensor(s, dtype=torch.float64).clamp(1e-4, 1 - 1e-4)))
 
     def extra_repr(self):
-        return (f"attn={self.attn!r}, causal={self.causal}, window={self.window}, "
-                f"diag_block={self.diag_block}, impl={self.impl!r}")
-
-    @property
-    def kind(self):
-        if self.fmap is None or self.teacher:
-            return 'softmax'
-        return 'window' if self.window else 'diag' if self.diag_block else 'linear'
+        return f"spec='{self.spec}', causal={self.causal}, kv_groups={self.kv_groups}"
 
     def forward(self, q, k, v, state=None, return_state=False, key_padding_mask=None):
         _check_qk(q, k, self.head_dim, self.n_heads)
         if key_padding_mask is not None and self.causal:
             raise ValueError("key_padding_mask is for bidirectional (encoder) attention only")
-        if state is not None and not self.causal:
-            raise ValueError("a decode state only makes sense for causal attention")
-        if state is not None and state['kind'] != self.kind:
-            raise ValueError(f"state was made by {state['kind']!r} attention, this core is {self.kind!r}")
-        if state is not None and state['kind'] in ('window', 'diag') and q.shape[-2] > 1:
-            y, states = [], state  # continue a hybrid one token at a time
+        if state is not None and (not self.causal or state['kind'] != self.kind):
+            raise ValueError(f"a decode state of {state['kind']!r} attention does not fit this "
+                             f"{'causal' if self.causal else 'bidirectional'} {self.kind!r} core")
+        if self.kind == 'softmax':
+            y, state = self._softmax(q, k, v, state, key_padding_mask, return_state)
+        elif state is None or self.kind == 'linear':
+            y, state = self._parallel(q, k, v, state, key_padding_mask, return_state)
+        else:  # a hybrid continues one token at a time
+            ys = []
             for t in range(q.shape[-2]):
-                yt, states = self._forward(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], states, None)
-                y.append(yt)
-            y, state = torch.cat(y, 2), states
-        else:
-            y, state = self._forward(q, k, v, state, key_padding_mask)
+                y, state = self._hybrid_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+                ys.append(y)
+            y = torch.cat(ys, 2)
         return (y, state) if return_state else y
 
-    def _forward(self, q, k, v, state, key_padding_mask):
-        T = q.shape[-2]
-        offset = 0 if state is None else state['offset']
-        kind = self.kind
-        if kind == 'softmax':
-            g = self.kv_groups  # cache only the model's own key/value heads (k, v come repeated, GQA)
-            k, v = k[:, ::g], v[:, ::g]
-            if state is not None:
-                k, v = torch.cat([state['k'], k], 2), torch.cat([state['v'], v], 2)
-            mask = None
-            if key_padding_mask is not None:
-                mask = key_padding_mask[:, None, None, :]
-            elif state is not None and T > 1:
-                mask = causal_mask(T, k.shape[-2], q.device)
-            y = softmax_attention(q, k, v, causal=self.causal and state is None, attn_mask=mask)
-            return y, {'kind': kind, 'offset': offset + T, 'k': k, 'v': v}
+    def _softmax(self, q, k, v, state, key_padding_mask, return_state):
+        """Exact softmax; its decode state is a KV cache of the H_kv heads that grows by doubling (_grow)."""
+        T, g = q.shape[-2], self.kv_groups
+        k, v = k[:, ::g], v[:, ::g]  # (B, H_kv, T, D): the model's own heads (they arrive repeated)
+        if state is None:
+            mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+            y = softmax_attention(q, k, v, self.causal, attn_mask=mask)
+            return y, return_state and {'kind': 'softmax', 'offset': T, 'k': k.contiguous(), 'v': v.contiguous()}
+        n = state['offset']
+        kc, vc = _grow(state['k'], k, n), _grow(state['v'], v, n)
+        mask = causal_mask(T, n + T, q.device) if T > 1 else None
+        y = softmax_attention(q, kc[:, :, :n + T], vc[:, :, :n + T], causal=False, attn_mask=mask)
+        return y, {'kind': 'softmax', 'offset': n + T, 'k': kc, 'v': vc}
 
-        phi_q, phi_k, c_q = self.fmap.features(q, k, offset)
+    def _features(self, q, k, state):
+        """phi_q, phi_k, c_q, c_k and the state's S, z, phi_k moved to the new key shift c_k (or None)."""
+        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, 0 if state is None else state['offset'],
+                                                    None if state is None else state['c_k'])
+        if state is None:
+            return phi_q, phi_k, c_q, c_k, None
+        r = torch.exp(state['c_k'] - c_k)[..., None, None]  # (B, H, 1, 1)
+        moved = [state['S'] * r, state['z'] * r[..., 0]] + ([state['phi_k'] * r] if 'phi_k' in state else [])
+        return phi_q, phi_k, c_q, c_k, moved
+
+    def _parallel(self, q, k, v, state, key_padding_mask, return_state):
+        """All tokens at once: linear (from a state or not), or a hybrid from scratch. The state: (S, z) in units
+        of exp(-c_k), the key shift c_k, and for a hybrid the tokens still in its window / partial block."""
+        T, g, causal = q.shape[-2], self.kv_groups, self.causal
+        phi_q, phi_k, c_q, c_k, init = self._features(q, k, state)
         if key_padding_mask is not None:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
-        if kind == 'linear':
-            init = None if state is None else (state['S'], state['z'])
-            y, (S, z) = linear_attention(phi_q, phi_k, v, self.causal, self.impl, self.eps, self.chunk_size,
-                                         initial_state=init, return_state=True)
-            return y, {'kind': kind, 'offset': offset + T, 'S': S, 'z': z}
-        if kind == 'diag':
-            b = self.diag_block
-            if state is None:
-                y_lin, (S, z) = linear_attention(phi_q, phi_k, v, self.causal, self.impl, self.eps,
-                                                 self.chunk_size, return_state=True)
-                y_blk = block_diagonal_softmax(q, k, v, b, self.causal, key_padding_mask)
-                start = (T // b) * b  # the current, partial block
-                new = {'k': k[:, :, start:], 'v': v[:, :, start:]}
-            else:  # one token: its block is the buffered partial block plus itself
-                y_lin, (S, z) = linear_attention(phi_q, phi_k, v, True, 'recurrent', self.eps,
-                                                 initial_state=(state['S'], state['z']), return_state=True)
-                if offset % b == 0:
-                    kb, vb = k, v
-                else:
-                    kb, vb = torch.cat([state['k'], k], 2), torch.cat([state['v'], v], 2)
-                y_blk = softmax_attention(q, kb, vb, causal=False)
-                new = {'k': kb, 'v': vb} if (offset + 1) % b else {'k': k[:, :, :0], 'v': v[:, :, :0]}
-            y = 0.5 * (y_lin + y_blk.to(y_lin.dtype))
-            return y, {'kind': kind, 'offset': offset + T, 'S': S, 'z': z, **new}
-        return self._window(q, k, v, phi_q, phi_k, c_q, state, key_padding_mask)
-
-    def _window(self, q, k, v, phi_q, phi_k, c_q, state, key_padding_mask):
-        """The sliding-window hybrid: all tokens at once (state None), or one decode step. The decode state is
-        (S, z) over the tokens that left the window plus the last window - 1 tokens' k, v, phi(k): constant size."""
-        w, T = self.window, q.shape[-2]
-        if state is None:
-            y = window_linear_attention(q, k, v, phi_q, phi_k, w, self.factor(), self.causal, self.eps,
-                                        key_padding_mask, self.impl, self.chunk_size, c_q=c_q,
-                                        combine=self.window_combine)
-            if not self.causal:
+        new = {'kind': self.kind, 'offset': T + (0 if state is None else state['offset']), 'c_k': c_k}
+        if self.kind == 'window':
+            y = window_linear_attention(q, k, v, phi_q, phi_k, self.window, self.factor(), causal, key_padding_mask,
+                                        self.impl, self.chunk_size, c_q + c_k[..., None], self.window_combine)
+            if not (return_state and causal):
                 return y, None
-            cut = max(T - (w - 1), 0)  # (S, z) over tokens <= T - w; the last w - 1 tokens stay in the window
-            S = phi_k[:, :, :cut].transpose(-2, -1) @ _acc(v[:, :, :cut])
-            z = phi_k[:, :, :cut].sum(-2)
-            buf = {'k': k[:, :, cut:], 'v': v[:, :, cut:], 'phi_k': phi_k[:, :, cut:]}
-            return y, {'kind': 'window', 'offset': T, 'S': S, 'z': z, **buf}
-        # one token: softmax over the buffer + itself, linear over the state
-        kw, vw = torch.cat([state['k'], k], 2), torch.cat([state['v'], v], 2)
-        pkw = torch.cat([state['phi_k'], phi_k], 2)
-        s = (_acc(q) @ _acc(kw).transpose(-2, -1)) * self.head_dim ** -0.5  # (B, H, 1, <=w)
-        m = s.amax(-1, keepdim=True)
-        a = torch.exp(s - m)
-        num_l, den_l = phi_q @ state['S'], (phi_q @ state['z'][..., None]).squeeze(-1)
-        y, _ = combine_window_linear(a @ _acc(vw), a.sum(-1), m.squeeze(-1), num_l, den_l, c_q, self.factor(),
-                                     self.window_combine)
-        S, z = state['S'], state['z']
-        if kw.shape[-2] > w - 1:  # the oldest token leaves the window for the linear state
-            S = S + pkw[:, :, :1].transpose(-2, -1) @ _acc(vw[:, :, :1])
-            z = z + pkw[:, :, 0]
-            kw, vw, pkw = kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:]
-        return y.to(v.dtype), {'kind': 'window', 'offset': state['offset'] + 1, 'S': S, 'z': z,
-                               'k': kw, 'v': vw, 'phi_k': pkw}
+            cut = max(T - (self.window - 1), 0)  # (S, z) over tokens < cut; the last window - 1 stay in the window
+            return y, {**new, 'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, :cut], _acc(v[:, :, :cut])),
+                       'z': phi_k[:, :, :cut].sum(-2), 'k': k[:, ::g, cut:].clone(), 'v': v[:, ::g, cut:].clone(),
+                       'phi_k': phi_k[:, :, cut:].clone()}
+        y, (S, z) = linear_attention(phi_q, phi_k, v, causal, self.impl, EPS, self.chunk_size, init, True)
+        if self.kind == 'diag':
+            b = self.diag_block
+            y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, causal, key_padding_mask).to(y.dtype))
+            new.update(k=k[:, ::g, T // b * b:].clone(), v=v[:, ::g, T // b * b:].clone())  # the partial block
+        return y, {**new, 'S': S, 'z': z}
+
+    def _hybrid_step(self, q, k, v, state):
+        """One decode token of a hybrid, from its constant-size state."""
+        g, offset = self.kv_groups, state['offset']
+        phi_q, phi_k, c_q, c_k, (S, z, *pkw) = self._features(q, k, state)
+        kw, vw = torch.cat([state['k'], k[:, ::g]], 2), torch.cat([state['v'], v[:, ::g]], 2)  # (B, H_kv, <=w, D)
+        new = {'kind': self.kind, 'offset': offset + 1, 'c_k': c_k}
+        if self.kind == 'diag':  # the token's block: the buffered partial block and itself
+            y, (S, z) = linear_attention(phi_q, phi_k, v, True, 'recurrent', EPS, initial_state=(S, z),
+                                         return_state=True)
+            y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False).to(y.dtype))
+            keep = kw.shape[2] if (offset + 1) % self.diag_block else 0  # a full block empties the buffer
+            return y, {**new, 'S': S, 'z': z, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
+        pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
+        kv = lambda x: _acc(x.repeat_interleave(g, 1))  # noqa: E731, GQA: query head h reads kv head h // g
+        num_w, den_w, m = _window_softmax(_acc(q), kv(kw), kv(vw), torch.ones((), dtype=torch.bool, device=q.device))
+        y, _ = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + c_k[..., None],
+                                     self.factor(), self.window_combine)
+        if kw.shape[2] == self.window:  # the oldest token leaves the window for the linear state
+            S = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], kv(vw[:, :, :1])[:, :, 0])
+            z, kw, vw, pkw = z + pkw[:, :, 0], kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:]
+        return y.to(v.dtype), {**new, 'S': S, 'z': z, 'k': kw, 'v': vw, 'phi_k': pkw}
 
     def weights(self, q, k, key_padding_mask=None):
-        """The (B, H, T, T) attention matrix this core applies (float32, quadratic in T)."""
-        _check_qk(q, k, self.head_dim, self.n_heads)
-        kind = self.kind
-        if kind == 'softmax':
-            return softmax_weights(q, k, self.causal)
-        phi_q, phi_k, c_q = self.fmap.features(q, k)
-        if kind == 'linear':
-            return linear_attention_weights(phi_q, phi_k, self.causal, self.eps)
-        if kind == 'diag':
-            _, W = block_diagonal_softmax(q, k, k, self.diag_block, self.causal, key_padding_mask, True)
-            return 0.5 * (W + linear_attention_weights(phi_q, phi_k, self.causal, self.eps))
-        _, W = window_linear_attention(q, k, k, phi_q, phi_k, self.window, self.factor(), self.causal, self.eps,
-                                       key_padding_mask, return_weights=True, c_q=c_q,
-                                       combine=self.window_combine)
-        return W
-
+        """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""
+        eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
+        return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
 def state_nbytes(state):
-    """Bytes held by a decode state (a dict of tensors, or a list of them, one per layer)."""
+    """Bytes held by a decode state (a dict of tensors, or a list of them, one per layer), a KV cache's whole
+    capacity included."""
     if isinstance(state, (list, tuple)):
         return sum(state_nbytes(s) for s in state)
-    if isinstance(state, dict):
-        return sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
-    return 0
+    return sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)) if state else 0
 
 
 # -----------------------------------------------------------------------------
-# 6. metrics and distillation losses
+# 7. metrics and distillation losses
 
 def attention_entropy(w, eps=1e-12):
     """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4)."""
-    w = w.float()
-    return -(w * (w + eps).log()).sum(-1)
-
+    return -(w.float() * (w.float() + eps).log()).sum(-1)
 
 def spectral_gap(w):
-    """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix, in float64 (general eigenvalues, sorted by
-    modulus; lambda_1 = 1). Meant for bidirectional matrices: a causal (triangular) matrix's eigenvalues
-    are its diagonal. Returns (B, H) float64."""
-    ev = torch.linalg.eigvals(w.double())  # (B, H, T) complex
-    mod = ev.abs().sort(dim=-1, descending=True).values
-    return 1.0 - mod[..., 1]
-
+    """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix -> (B, H) float64 (eigenvalues sorted by modulus,
+    lambda_1 = 1). Meant for bidirectional matrices: a causal one's eigenvalues are its diagonal."""
+    return 1.0 - torch.linalg.eigvals(w.double()).abs().sort(dim=-1, descending=True).values[..., 1]
 
 def _ranks(x):
-    """Average ranks along the last dimension (ties share their mean rank), float64."""
-    x = x.double()
-    order = x.argsort(dim=-1)
-    ranks = torch.empty_like(x)
-    ranks.scatter_(-1, order, torch.arange(x.shape[-1], dtype=torch.float64, device=x.device).expand_as(x).clone())
-    # average over ties: for each value, mean rank of equal values
-    sorted_x = x.gather(-1, order)
-    same = sorted_x[..., 1:] == sorted_x[..., :-1]
-    if same.any():
-        flat_x, flat_r = x.reshape(-1, x.shape[-1]), ranks.reshape(-1, x.shape[-1])
-        for r in range(flat_x.shape[0]):
-            vals, inv = torch.unique(flat_x[r], return_inverse=True)
-            sums = torch.zeros(len(vals), dtype=torch.float64, device=x.device).index_add_(0, inv, flat_r[r])
-            counts = torch.zeros(len(vals), dtype=torch.float64, device=x.device).index_add_(0, inv, torch.ones_like(flat_r[r]))
-            flat_r[r] = (sums / counts)[inv]
-        ranks = flat_r.reshape(x.shape)
-    return ranks
-
+    """Ranks along the last dimension, ties sharing their mean rank, float64."""
+    x = x.double().contiguous()
+    s = x.sort(-1).values
+    return (torch.searchsorted(s, x) + torch.searchsorted(s, x, right=True) - 1).double() / 2
 
 def monotonicity(w, q, k, causal=True, scale=None):
-    """How monotonic attention weights are in q.k (Hedgehog Fig. 3 / Sec. 3.2): the Spearman correlation,
-    per query row, between w_ij and s_ij = q_i.k_j * scale over the keys the row sees (rows with fewer than
-    3 keys are skipped), averaged per head. Returns (rho (B, H) float64, (scores, weights) 1-D tensors of
-    every visible pair, for a scatter plot)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = (q.double() @ k.double().transpose(-2, -1)) * scale
-    w = w.double()
-    T = w.shape[-1]
-    rhos = []
+    """How monotonic attention weights are in q.k (Hedgehog Fig. 3, Sec. 3.2): the Spearman correlation, per
+    query row, of w_ij and s_ij = q_i.k_j * scale over the keys the row sees (rows with fewer than 3 keys
+    skipped), averaged per head. Returns (rho (B, H) float64, (scores, weights) of every visible pair, 1-D)."""
+    s = (q.double() @ k.double().transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    w, T, rhos = w.double(), w.shape[-1], []
     for i in range(2 if causal else 0, w.shape[-2]):
-        n = i + 1 if causal else T
-        rs, rw = _ranks(s[..., i, :n]), _ranks(w[..., i, :n])
+        rs, rw = (_ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
         rs, rw = rs - rs.mean(-1, keepdim=True), rw - rw.mean(-1, keepdim=True)
-        rho = (rs * rw).sum(-1) / ((rs.square().sum(-1) * rw.square().sum(-1)).sqrt() + 1e-30)
-        rhos.append(rho)
-    rho = torch.stack(rhos, -1).mean(-1)
+        rhos.append((rs * rw).sum(-1) / ((rs.square().sum(-1) * rw.square().sum(-1)).sqrt() + 1e-30))
     vis = causal_mask(T, T, w.device).expand_as(w) if causal else torch.ones_like(w, dtype=torch.bool)
-    return rho, (s[vis].float(), w[vis].float())
-
+    return torch.stack(rhos, -1).mean(-1), (s[vis].float(), w[vis].float())
 
 def kl_divergence(p, q, eps=1e-12):
     """KL(p || q) per row of two (B, H, T, T) attention matrices -> (B, H, T), nats."""
     p, q = p.float(), q.float()
     return (p * ((p + eps).log() - (q + eps).log())).sum(-1)
 
-
 def attention_cross_entropy(w_student, w_teacher, eps=1e-12):
     """Hedgehog's distillation loss (Eq. 4): soft-label cross-entropy -sum_j w_teacher_ij log w_student_ij,
-    averaged over rows (and batch and heads). Quadratic in T: for short sequences."""
+    averaged over rows, batch and heads (quadratic in T: short sequences)."""
     return -(w_teacher.float() * (w_student.float() + eps).log()).sum(-1).mean()
 
-
 def output_mse(y_student, y_teacher):
-    """LoLCATs' attention-transfer loss: mean squared error between attention outputs (B, H, T, D).
-    Works at any length through the chunked path: nothing T x T is formed."""
+    """LoLCATs' attention-transfer loss (Eq. 7): the mean squared error of the attention outputs (B, H, T, D),
+    in float32; nothing T x T is formed, so it works at any length."""
     return F.mse_loss(y_student.float(), y_teacher.float())
 
-
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
-    """DoF's kernel loss: mean squared error between the feature kernel phi(q_i).phi(k_j) and the softmax
-    kernel exp(q_i.k_j / sqrt(D)) over visible pairs (quadratic in T). phi_q must be the exact query features
-    (`fmap.features` returns shifted ones: multiply by exp(c_q)), since the kernel is compared unnormalised."""
-    approx = phi_q.float() @ phi_k.float().transpose(-2, -1)
-    exact = torch.exp((q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5)
-    err = (approx - exact).square()
+    """DoF's kernel loss: the mean squared error of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the
+    visible pairs (quadratic in T). Compared unnormalised: pass exact features (from fmap.features, phi_q
+    times exp(c_q + c_k))."""
+    err = (phi_q.float() @ phi_k.float().transpose(-2, -1) -
+           torch.exp((q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5)).square()
     if causal:
-        vis = causal_mask(err.shape[-2], err.shape[-1], err.device)
-        return err.masked_select(vis.expand_as(err)).mean()
+        return err.masked_select(causal_mask(err.shape[-2], err.shape[-1], err.device).expand_as(err)).mean()
     return err.mean()
-
-
-if __name__ == '__main__':
-    # Self-check: `python attention.py` prints how far the three paths are apart for every map (fp32, causal
-    # and bidirectional, T = 203, chunk 64) and the fitted LLN constants per head_dim.
-    torch.manual_seed(0)
-    B, H, T, D = 2, 4, 203, 16
-    q, k, v = torch.randn(3, B, H, T, D).unbind(0)
-    print(f"max |path - quadratic| / max |quadratic|, fp32, B={B} H={H} T={T} D={D}, chunk 64")
-    print(f"{'map':<10} {'F':>5} {'chunked':>10} {'recurrent':>10} {'chunked':>10} {'recurrent':>10}")
-    print(f"{'':<16} {'(causal)':>21} {'(bidirectional)':>21}")
-    for name in FEATURE_MAPS:
-        fmap = make_feature_map(name, D, H).eval()
-        phi_q, phi_k = fmap(q, k)
-        errs = []
-        for causal in (True, False):
-            ref = linear_attention(phi_q, phi_k, v, causal, 'quadratic')
-            for impl in ('chunked', 'recurrent'):
-                y = linear_attention(phi_q, phi_k, v, causal, impl)
-                errs.append(((y - ref).abs().max() / ref.abs().max()).item())
-        print(f"{name:<10} {fmap.feature_dim:>5} " + " ".join(f"{e:>10.1e}" for e in errs))
-    print("\nLLN fit sigma_lln^2 = a (alpha^2 s_q^2 + beta^2 s_k^2) + b, and alpha = beta for unit-variance q, k")
-    one = torch.ones(1, dtype=torch.float64)
-    for d in (16, 32, 64, 128):
-        a, b = lln_fit(d)
-        alpha, _ = lln_alpha_beta(one, one, d)
-        print(f"head_dim {d:>4}: a = {a:.4f}  b = {b:+.4f}  alpha = beta = {alpha.item():.3f}")

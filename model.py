@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import tokenizer as tokenizer_lib
-from attention import ATTN_CHOICES, Attention, state_nbytes
+from attention import ATTN_CHOICES, Attention, AttnSpec, state_nbytes
 
 FAMILIES = ('gpt2', 'llama', 'bert')
 CHECKPOINT_FORMAT = 'linear-attn-gpt/1'
@@ -182,13 +182,13 @@ def make_core(config, attn=None, window=None, diag_block=None, impl=None, option
     attn = config.attn if attn is None else attn
     if attn not in ATTN_CHOICES:
         raise ValueError(f"unknown attn {attn!r}; choose one of {ATTN_CHOICES}")
-    options = map_options(config, attn, config.attn_options if options is None else options)
-    return Attention(attn, config.head_dim, config.n_head, causal=config.causal,
-                     window=config.window if window is None else window,
-                     diag_block=config.diag_block if diag_block is None else diag_block,
-                     impl=config.impl if impl is None else impl,
-                     window_combine=config.window_combine if window_combine is None else window_combine,
-                     kv_groups=config.n_head // config.n_kv_head, **options)
+    spec = AttnSpec(attn, window=config.window if window is None else window,
+                    combine=config.window_combine if window_combine is None else window_combine,
+                    diag_block=config.diag_block if diag_block is None else diag_block,
+                    impl=config.impl if impl is None else impl,
+                    options=config.attn_options if options is None else options)
+    return Attention(spec, config.head_dim, config.n_head, causal=config.causal,
+                     kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size)
 
 
 class ShortConv(nn.Module):

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 import attention as A
 
 MAPS = list(A.FEATURE_MAPS)
+PATHS = ('quadratic', 'chunked', 'recurrent')  # the PyTorch paths (triton: tests/test_kernels.py)
 B, H, D = 2, 3, 8
 
 
@@ -16,6 +18,13 @@ def qkv(T=37, D=D, seed=0, scale=1.0, dtype=torch.float32):
 
 def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def core_of(name, head_dim=D, n_heads=H, causal=True, chunk_size=64, options=None, **fields):
+    """An Attention core from the spec's parts (options: the map's, as a dict)."""
+    core = A.Attention(A.AttnSpec(name, options=options or {}, **fields), head_dim, n_heads, causal=causal)
+    core.chunk_size = chunk_size
+    return core
 
 
 @pytest.mark.parametrize("name", MAPS)
@@ -30,7 +39,7 @@ def test_three_paths_agree_forward_and_backward(name, causal):
         q, k, v = qkv(T=37, dtype=dtype)  # 37: not a multiple of the chunk size 8
         fmap = fmap.to(dtype).eval()  # eval: LLN's statistics stay fixed between the three calls
         outs, grads = {}, {}
-        for impl in A.IMPLS:
+        for impl in PATHS:
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
             phi_q, phi_k = fmap(qq, kk)
             y = A.linear_attention(phi_q, phi_k, vv, causal=causal, impl=impl, chunk_size=8)
@@ -42,7 +51,7 @@ def test_three_paths_agree_forward_and_backward(name, causal):
                 assert rel_err(g, g_ref) <= tol_g, (impl, dtype, rel_err(g, g_ref))
 
 
-@pytest.mark.parametrize("impl", A.IMPLS)
+@pytest.mark.parametrize("impl", PATHS)
 def test_state_carry_over(impl):
     q, k, v = qkv(T=29)
     phi_q, phi_k = A.make_feature_map('hedgehog', D, H)(q, k)
@@ -74,14 +83,14 @@ CORES = [(n, {}) for n in MAPS + ['softmax']] + [(n, kw) for n in MAPS for kw in
 @pytest.mark.parametrize("name,kw", CORES)
 def test_causality(name, kw):
     q, k, v = qkv(T=21)
-    core = A.Attention(name, D, H, causal=True, chunk_size=8, **kw).eval()
+    core = core_of(name, chunk_size=8, **kw).eval()
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     t0 = 12
     for t in (q2, k2, v2):
         t[:, :, t0 + 1:] = torch.randn_like(t[:, :, t0 + 1:]) * 3
-    impls = A.IMPLS if not kw else ('chunked',)
+    impls = PATHS if not kw else ('chunked',)
     for impl in impls:
-        core.impl = impl
+        core.spec = dataclasses.replace(core.spec, impl=impl)
         y, y2 = core(q, k, v), core(q2, k2, v2)
         assert torch.allclose(y[:, :, :t0 + 1], y2[:, :, :t0 + 1], atol=1e-6), impl
         assert not torch.allclose(y[:, :, t0 + 1:], y2[:, :, t0 + 1:], atol=1e-3)
@@ -185,7 +194,7 @@ def test_hedgehog_identity_init_is_spiky(softmax_dim):
 @pytest.mark.parametrize("name", ['t2r', 'hedgehog', 'lolcats', 'dof'])
 def test_gradients_reach_trainable_maps(name):
     q, k, v = qkv(T=12)
-    core = A.Attention(name, D, H, window=4) if name == 'hedgehog' else A.Attention(name, D, H)
+    core = A.Attention(f'{name}:window=4' if name == 'hedgehog' else name, D, H)
     core(q, k, v).square().sum().backward()
     params = dict(core.named_parameters())
     assert params, name
@@ -194,7 +203,7 @@ def test_gradients_reach_trainable_maps(name):
 
 
 EXP_MAPS = [('hedgehog', {}), ('hedgehog', {'softmax_dim': False}), ('lolcats', {}),
-            ('lolcats', {'softmax_dim': False}), ('lln', {}), ('performer', {}), ('dof', {}),
+            ('lolcats', {'activation': 'exp'}), ('lln', {}), ('performer', {}), ('dof', {}),
             ('exp', {'temperature': 2.0})]
 
 
@@ -208,7 +217,7 @@ def test_exp_maps_finite_in_half_precision(name, opts, dtype):
     fmap = A.make_feature_map(name, D, H, **opts).to(dtype)
     phi_q, phi_k = fmap(q, k)
     assert torch.isfinite(phi_q).all() and torch.isfinite(phi_k).all()
-    for impl in A.IMPLS:
+    for impl in PATHS:
         y = A.linear_attention(phi_q, phi_k, v, impl=impl, chunk_size=8)
         assert y.dtype == dtype and torch.isfinite(y).all(), impl
 
@@ -249,21 +258,21 @@ def naive_window_hybrid(q, k, v, phi_q, phi_k, w, gamma, causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_window_hybrid_matches_equation(causal):
     q, k, v = qkv(T=13)
-    core = A.Attention('hedgehog', D, H, causal=causal, window=4)
+    core = A.Attention('hedgehog:window=4', D, H, causal=causal)
     with torch.no_grad():
         core.window_factor.copy_(torch.tensor([-1.0, 0.0, 2.0]))
     phi_q, phi_k = core.fmap(q, k)
     ref = naive_window_hybrid(q, k, v, phi_q, phi_k, 4, torch.sigmoid(core.window_factor.detach()), causal)
     assert rel_err(core(q, k, v).double(), ref) < 1e-5
     assert rel_err((core.weights(q, k) @ v).double(), ref) < 1e-5
-    assert torch.allclose(A.Attention('hedgehog', D, H, window=4).factor(), torch.full((H,), 0.1))  # official init
+    assert torch.allclose(A.Attention('hedgehog:window=4', D, H).factor(), torch.full((H,), 0.1))  # official init
 
 
 @pytest.mark.parametrize("name,kw", [('softmax', {})] + [(n, kw) for n in ('hedgehog', 'cosformer')
                                                        for kw in ({}, {'window': 4}, {'diag_block': 5})])
 def test_decode_state_matches_parallel(name, kw):
     q, k, v = qkv(T=17)
-    core = A.Attention(name, D, H, **kw)
+    core = core_of(name, **kw)
     y = core(q, k, v)
     yp, st = core(q[:, :, :6], k[:, :, :6], v[:, :, :6], return_state=True)
     outs = [yp]
@@ -285,7 +294,7 @@ def test_decode_state_matches_parallel(name, kw):
 
 def test_diag_hybrid_is_average_of_block_softmax_and_linear():
     q, k, v = qkv(T=13)
-    core = A.Attention('lln', D, H, causal=True, diag_block=4).eval()
+    core = A.Attention('lln:diag_block=4', D, H, causal=True).eval()
     phi_q, phi_k = core.fmap(q, k)
     lin = A.linear_attention(phi_q, phi_k, v, impl='quadratic')
     blk = torch.zeros_like(v)
@@ -303,7 +312,7 @@ def test_key_padding_mask_bidirectional():
         for name in ['softmax', 'hedgehog']:
             if name == 'softmax' and kw:
                 continue
-            core = A.Attention(name, D, H, causal=False, **kw)
+            core = core_of(name, causal=False, **kw)
             y = core(q, k, v, key_padding_mask=mask)
             y_cut = core(q[:1, :, :7], k[:1, :, :7], v[:1, :, :7])
             assert rel_err(y[:1, :, :7], y_cut) < 1e-5, (name, kw)
@@ -341,15 +350,19 @@ def test_metrics():
     assert torch.allclose(ce, A.attention_entropy(w).mean(), atol=1e-5)
 
 
-def test_losses():
-    q, k, v = qkv(T=7)
-    phi_q, phi_k, c_q = A.make_feature_map('dof', D, H).features(q, k)
-    phi_q = phi_q * c_q.exp()[..., None]  # exact features
-    exact = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(D))
-    approx = phi_q @ phi_k.transpose(-2, -1)
-    mask = torch.ones(7, 7).tril().bool()
-    assert torch.allclose(A.kernel_l2(phi_q, phi_k, q, k), (approx - exact)[..., mask].square().mean())
-    assert torch.allclose(A.output_mse(q, k), (q - k).square().mean())
+def test_kernel_l2():
+    """A hand-computed case: q = k = 0 (softmax kernel exp(0) = 1), phi_q = (1, 1), phi_k = (1, 3): the squared
+    errors are 0 and 4 per row, so 4/3 over the causal pairs (0,0), (1,0), (1,1) and 2 over all four. And the shifted
+    features of `features` restore the exact kernel: the loss is the one of the unshifted features."""
+    zero = torch.zeros(1, 1, 2, 1)
+    pq, pk = torch.tensor([1.0, 1.0]).view(1, 1, 2, 1), torch.tensor([1.0, 3.0]).view(1, 1, 2, 1)
+    assert A.kernel_l2(pq, pk, zero, zero).item() == pytest.approx(4 / 3)
+    assert A.kernel_l2(pq, pk, zero, zero, causal=False).item() == pytest.approx(2.0)
+    q, k, _ = qkv(T=7, scale=2.0)
+    fmap = A.make_feature_map('dof', D, H)
+    phi_q, phi_k, c_q, c_k = fmap.features(q, k)
+    exact = A.kernel_l2(fmap.phi(q, 'q', 0), fmap.phi(k, 'k', 0), q, k)
+    assert torch.allclose(A.kernel_l2(phi_q * (c_q + c_k[..., None]).exp()[..., None], phi_k, q, k), exact, rtol=1e-5)
 
 
 def test_bad_input_errors():
@@ -360,15 +373,15 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="quadratic, chunked, recurrent"):
         A.linear_attention(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), impl='fast')
     q, k, v = qkv(T=5)
-    with pytest.raises(ValueError, match="head_dim mismatch"):
+    with pytest.raises(ValueError, match="n_heads / head_dim mismatch"):
         A.make_feature_map('elu', 16, H)(q, k)
-    with pytest.raises(ValueError, match="n_heads mismatch"):
+    with pytest.raises(ValueError, match="n_heads / head_dim mismatch"):
         A.make_feature_map('hedgehog', D, H + 1)(q, k)
     with pytest.raises(ValueError, match=r"\(B, H, T, D\)"):
         A.make_feature_map('elu', D, H)(q[0], k[0])
     with pytest.raises(ValueError, match="must be"):
         A.linear_attention(q, k, v[:, :, :3])
-    with pytest.raises(ValueError, match="bad options"):
+    with pytest.raises(ValueError, match="unknown option"):
         A.make_feature_map('elu', D, H, feature_dim=4)
 
 
@@ -424,7 +437,7 @@ def test_large_queries_and_keys_match_float64(name, opts, sink):
         ref = torch.softmax(logk_c if causal else logk, -1) @ v
         phi_q, phi_k = fmap.float()(q.float(), k.float())
         assert torch.isfinite(phi_q).all() and torch.isfinite(phi_k).all()
-        for impl in A.IMPLS:
+        for impl in PATHS:
             y = A.linear_attention(phi_q, phi_k, v.float(), causal=causal, impl=impl, chunk_size=16)
             assert rel_err(y.double(), ref) < 1e-4, (impl, causal, rel_err(y.double(), ref))
 
@@ -455,7 +468,7 @@ def naive_window_ref(q, k, v, logk, w, f, causal, combine):
 def test_window_hybrid_matches_float64_on_large_inputs(combine, name, opts, causal):
     q, k = big_qk(sink=True)
     v = torch.randn(1, 2, 48, 16, dtype=torch.float64)
-    core = A.Attention(name, 16, 2, causal=causal, window=5, window_combine=combine, chunk_size=16, **opts).eval()
+    core = core_of(name, 16, 2, causal=causal, window=5, combine=combine, chunk_size=16, options=opts).eval()
     with torch.no_grad():
         core.window_factor.copy_(torch.tensor([-1.5, 1.0]))
     ref = naive_window_ref(q, k, v, exact_log_kernel(core.fmap, q, k), 5, core.factor().detach(), causal, combine)
@@ -472,7 +485,7 @@ def test_window_forms_decode_matches_parallel(combine):
     q, k = big_qk(T=23, sink=True)
     q, k = q.float(), k.float()
     v = torch.randn(1, 2, 23, 16)
-    core = A.Attention('hedgehog', 16, 2, window=4, window_combine=combine).eval()
+    core = A.Attention(f'hedgehog:window=4:combine={combine}', 16, 2).eval()
     with torch.no_grad():
         core.window_factor.copy_(torch.tensor([0.7, -0.3]))
     y = core(q, k, v)
@@ -486,30 +499,32 @@ def test_window_forms_decode_matches_parallel(combine):
 
 def test_window_mix_calibration_sets_teacher_window_mass():
     q, k, v = qkv(T=30, scale=2.0)
-    core = A.Attention('hedgehog', D, H, window=6, window_combine='mix')
+    core = A.Attention('hedgehog:window=6:combine=mix', D, H)
     assert torch.allclose(core.factor(), torch.full((H,), 0.5))  # uncalibrated: s = 1/2
     core.calibrate(q, k)
     W = A.softmax_weights(q, k)
     i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
     mass = (W * ((i - j < 6) & (i >= j))).sum(-1)[..., 6:].mean(dim=(0, 2))
     assert torch.allclose(core.factor(), mass, atol=1e-5)
-    joint = A.Attention('hedgehog', D, H, window=6)
+    joint = A.Attention('hedgehog:window=6', D, H)
     joint.calibrate(q, k)  # the joint form's gamma is not data-initialised
     assert torch.allclose(joint.factor(), torch.full((H,), 0.1))
     with pytest.raises(ValueError, match="joint, mix"):
-        A.Attention('hedgehog', D, H, window=6, window_combine='sum')
+        A.Attention('hedgehog:window=6:combine=sum', D, H)
 
 
 def test_features_shift_is_exact():
-    """phi(q) = phi_q' exp(c_q) for the exp maps, every query feature <= 1 after the shift, keys unshifted."""
+    """phi(q) = phi_q' exp(c_q), phi(k) = phi_k' exp(c_k) for the exp maps; after the shifts every query's largest
+    feature is 1; keys are shifted only past FeatureMap.KEY_RANGE, to at most exp(KEY_RANGE)."""
     q, k = big_qk(sink=True)
     for name, opts in ROBUST_MAPS:
         fmap = A.make_feature_map(name, 16, 2, **opts).double().eval()
-        pq, pk, c = fmap.features(q, k)
-        assert torch.allclose(pq * c.exp()[..., None], fmap.phi(q, 'q', 0), rtol=1e-9), name
-        assert torch.allclose(pk, fmap.phi(k, 'k', 0), rtol=1e-12), name
+        pq, pk, c_q, c_k = fmap.features(q, k)
+        assert torch.allclose(pq * c_q.exp()[..., None], fmap.phi(q, 'q', 0), rtol=1e-9), name
+        assert torch.allclose(pk * c_k.exp()[..., None, None], fmap.phi(k, 'k', 0), rtol=1e-9), name
         if fmap.log_domain:
             assert pq.amax(-1).sub(1).abs().max() < 1e-12, name
+            assert (c_k >= 0).all() and (pk <= math.exp(fmap.KEY_RANGE) * (1 + 1e-12)).all(), name
 
 
 def test_lolcats_activations():
@@ -526,6 +541,119 @@ def test_lolcats_activations():
                 'exp': lambda: torch.cat([u.exp(), (-u).exp()], -1),
                 'elu': lambda: torch.nn.functional.elu(u) + 1, 'relu': lambda: u.relu()}[act]()
         assert torch.allclose(fmap.phi(q, 'q', 0), want, rtol=1e-5, atol=1e-6), act
-    assert A.make_feature_map('lolcats', D, H, softmax_dim=False).activation == 'exp'
     with pytest.raises(ValueError, match="softmax, exp, elu, relu"):
         A.make_feature_map('lolcats', D, H, activation='tanh')
+
+
+# ----------------------------------------------------------------------------- AttnSpec
+
+@pytest.mark.parametrize("text", ['softmax', 'hedgehog:feature_dim=64', 'lolcats:window=64:combine=mix',
+                                  'lln:diag_block=64', 'exp:temperature=2', 'performer:impl=recurrent:seed=3',
+                                  'lln:match=entropy', 'hedgehog:softmax_dim=false:window=8'])
+def test_attn_spec_round_trip(text):
+    spec = A.AttnSpec.parse(text)
+    assert A.AttnSpec.parse(str(spec)) == spec and A.AttnSpec.parse(spec) is spec
+    assert hash(spec) == hash(A.AttnSpec.parse(str(spec)))
+
+
+def test_attn_spec_fields_aliases_and_defaults():
+    spec = A.AttnSpec.parse('exp:t=2:window=16:combine=mix')
+    assert spec == A.AttnSpec('exp', window=16, combine='mix', options={'temperature': 2})
+    assert str(spec) == 'exp:window=16:combine=mix:temperature=2'  # defaults left out, options last
+    assert A.AttnSpec.parse('hedgehog:f=32').options == (('feature_dim', 32),)
+    assert str(A.AttnSpec()) == 'softmax' and str(A.AttnSpec('elu', impl='chunked')) == 'elu'
+    assert dataclasses.replace(spec, impl='recurrent').impl == 'recurrent'
+    core = A.Attention('lolcats:window=4:activation=elu:f=16', D, H)
+    assert (core.attn, core.window, core.window_combine, core.fmap.activation, core.fmap.feature_dim) == \
+        ('lolcats', 4, 'joint', 'elu', 16)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ('nope', "unknown attention 'nope'; choose one of: softmax, elu"),
+    ('hedgehog:temperature=2', "unknown option.* temperature; hedgehog's options: feature_dim, softmax_dim"),
+    ('elu:f=8', "elu's options: none"),
+    ('hedgehog:window=4:diag_block=4', "not both"),
+    ('softmax:window=4', "softmax takes no hybrid"),
+    ('softmax:feature_dim=4', "unknown option"),
+    ('hedgehog:combine=sum:window=4', "unknown window combine 'sum'; choose one of: joint, mix"),
+    ('hedgehog:combine=mix', "set window"),
+    ('hedgehog:impl=fast', "unknown impl 'fast'; choose one of: quadratic, chunked, recurrent, triton"),
+    ('hedgehog:window=4:impl=triton', "no triton path"),
+    ('hedgehog:window=-1', ">= 0"),
+    ('hedgehog:window', "expected name:key=value"),
+    ('hedgehog:f=8:feature_dim=8', "distinct keys"),
+])
+def test_attn_spec_errors(text, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        A.AttnSpec.parse(text)
+    assert '\n' not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- issue 22 defects
+
+def test_fp32_key_log_features_past_float32_range():
+    """Issue 22 (key shift): key log-features of 60..100 overflow exp in float32 (e^88.7); the shared key shift
+    keeps every path finite and equal to float64 (logsumexp of the exact log-kernel); decoding agrees too."""
+    g = torch.Generator().manual_seed(0)
+    q, v = torch.randn(1, 2, 24, 16, generator=g), torch.randn(1, 2, 24, 16, generator=g)
+    k = 60 + 40 * torch.rand(1, 2, 24, 16, generator=g)
+    logk = torch.logsumexp(q.double()[..., :, None, :] + k.double()[..., None, :, :], -1)
+    ref = torch.softmax(logk.masked_fill(~A.causal_mask(24, 24), -math.inf), -1) @ v.double()
+    for impl in PATHS:
+        core = core_of('exp', 16, 2, impl=impl, chunk_size=8)
+        assert rel_err(core(q, k, v).double(), ref) < 1e-5, impl
+    y, st = core(q[:, :, :5], k[:, :, :5], v[:, :, :5], return_state=True)
+    ys = [y]
+    for t in range(5, 24):
+        y, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        ys.append(y)
+    assert rel_err(torch.cat(ys, 2).double(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("spec", ['hedgehog:window=4', 'hedgehog:window=4:combine=mix', 'lln:diag_block=5',
+                                  'exp:window=3'])
+def test_gqa_hybrid_state_keeps_kv_heads(spec):
+    """Issue 22: a grouped-query model's hybrid decode state keeps its H_kv key/value heads (as the softmax KV
+    cache does), phi(k) per query head; decoding still equals the parallel form token by token."""
+    g = torch.Generator().manual_seed(0)
+    H_, G = 4, 2  # 4 query heads, 2 key/value heads
+    q = torch.randn(2, H_, 19, D, generator=g)
+    k, v = (torch.randn(2, H_ // G, 19, D, generator=g).repeat_interleave(G, 1) for _ in range(2))
+    core = A.Attention(spec, D, H_, kv_groups=G).eval()  # eval: LLN's statistics stay fixed
+    with torch.no_grad():
+        if core.window:
+            core.window_factor.copy_(torch.tensor([0.5, -0.5, 1.0, 0.0]))
+    y = core(q, k, v)
+    _, st = core(q[:, :, :7], k[:, :, :7], v[:, :, :7], return_state=True)
+    outs = [y[:, :, :7]]
+    for t in range(7, 19):
+        yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        outs.append(yt)
+        buffered = st['k'].shape[2]
+        assert st['k'].shape == st['v'].shape == (2, H_ // G, buffered, D)
+        assert st['S'].shape == (2, H_, core.fmap.feature_dim, D) and st['z'].shape == (2, H_, core.fmap.feature_dim)
+        if core.window:
+            assert buffered == core.window - 1 and st['phi_k'].shape == (2, H_, buffered, core.fmap.feature_dim)
+    assert rel_err(torch.cat(outs, 2), y) < 1e-5
+
+
+def test_softmax_kv_cache_grows_by_doubling():
+    """Issue 22: decoding appends into a preallocated KV cache that doubles when full, instead of copying the
+    whole cache at every token (torch.cat); decode == parallel, and state_nbytes counts the capacity held."""
+    q, k, v = qkv(T=40)
+    core = A.Attention('softmax', D, H)
+    y = core(q, k, v)
+    _, st = core(q[:, :, :4], k[:, :, :4], v[:, :, :4], return_state=True)
+    outs, moves = [y[:, :, :4]], 0
+    for t in range(4, 40):
+        ptr = st['k'].data_ptr()
+        yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        outs.append(yt)
+        moves += st['k'].data_ptr() != ptr
+        assert st['k'].shape[2] >= t + 1 and st['offset'] == t + 1
+    assert moves == 4  # capacity 4 -> 8 -> 16 -> 32 -> 64
+    assert rel_err(torch.cat(outs, 2), y) < 1e-5
+    assert A.state_nbytes(st) == 2 * B * H * 64 * D * 4  # k and v, the whole capacity, float32
+    _, st = core(q[:, :, :30], k[:, :, :30], v[:, :, :30], return_state=True)
+    y2, st = core(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], state=st, return_state=True)  # 10 tokens at once
+    assert rel_err(y2, y[:, :, 30:]) < 1e-5 and st['k'].shape[2] == 60

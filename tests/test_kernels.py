@@ -7,7 +7,7 @@ Thresholds are relative errors ||a - b|| / ||b|| against a float64 reference:
   fp16 inputs: 5e-3 (inputs rounded to fp16, 10-bit mantissa; fp32 accumulation)
   bf16 inputs: 3e-2 (inputs rounded to bf16, 7-bit mantissa; fp32 accumulation)
 """
-import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -27,18 +27,9 @@ _TRITON_PREIMPORTED = 'triton' in sys.modules
 if not CUDA and not _TRITON_PREIMPORTED:
     os.environ['TRITON_INTERPRET'] = '1'
 triton = pytest.importorskip('triton', reason='triton is not installed: the Triton kernel cannot be tested')
+import attention as A  # noqa: E402 (after TRITON_INTERPRET); it imports kernels
+import kernels as K  # noqa: E402
 
-
-def _load_kernels():
-    """A private copy of kernels.py (the process-wide `kernels` module is left alone), built in interpreter mode
-    on CPU-only machines."""
-    spec = importlib.util.spec_from_file_location('kernels_under_test', os.path.join(ROOT, 'kernels.py'))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-K = _load_kernels()
 DEV = 'cuda' if CUDA else 'cpu'
 # triton was imported earlier in this process without the interpreter (e.g. by another test module): the kernels
 # cannot run on the CPU here, so the whole file is re-run in a fresh interpreter by test_in_subprocess below.
@@ -107,7 +98,7 @@ def check(shape, dtype=torch.float32, init=False, with_state=False, chunk=16, ep
                 torch.randn(B, H, F, generator=g, dtype=torch.float64))
     upstream = tuple(u.to(DEV) for u in upstream)
     ref_out, ref_grads = run(K.causal_linear_attention_reference, xs_ref, eps, with_state, upstream)
-    out, grads = run(K.triton_causal_linear_attention, xs_lp, eps, with_state, upstream, chunk_size=chunk)
+    out, grads = run(K.causal_linear_attention, xs_lp, eps, with_state, upstream, chunk_size=chunk)
     tol = TOL[dtype]
     assert out[0].dtype == dtype and out[0].shape == (B, H, T, D)
     for name, a, b in zip(('y', 'S_T', 'z_T'), out, ref_out):
@@ -120,9 +111,11 @@ def check(shape, dtype=torch.float32, init=False, with_state=False, chunk=16, ep
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_reference_matches_recurrence():
-    xs = make(2, 2, 23, 8, 5, init=True)
+    """The kernel's own cumsum reference against attention.py's token-by-token recurrence, float64."""
+    xs = [x.detach().cpu() for x in make(2, 2, 23, 8, 5, init=True)]
     y1, (S1, z1) = K.causal_linear_attention_reference(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
-    y2, (S2, z2) = K.causal_linear_attention_recurrent(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
+    y2, (S2, z2) = A.linear_attention(*xs[:3], impl='recurrent', eps=K.DEFAULT_EPS, initial_state=(xs[3], xs[4]),
+                                      return_state=True)
     assert rel(y1, y2) < 1e-12 and rel(S1, S2) < 1e-12 and rel(z1, z2) < 1e-12
 
 
@@ -178,7 +171,7 @@ def test_small_denominator_eps_matters():
     k = (k * 1e-4).float().requires_grad_()
     v = v.float().requires_grad_()
     for eps in (1e-6, 1e-3):
-        y = K.triton_causal_linear_attention(q, k, v, eps=eps, chunk_size=16)
+        y = K.causal_linear_attention(q, k, v, eps=eps, chunk_size=16)
         y_ref = K.causal_linear_attention_reference(q.double(), k.double(), v.double(), eps=eps)
         assert rel(y, y_ref) < 1e-5
         dq, = torch.autograd.grad(y.sum(), q)
@@ -192,11 +185,11 @@ def test_state_carry_over():
     """Two halves with the carried state == one pass, forward and gradients (through the carried state)."""
     B, H, T, F, D = 1, 2, 41, 16, 16
     q, k, v = (x.detach().float().requires_grad_() for x in make(B, H, T, F, D))
-    y_full, (S_full, z_full) = K.triton_causal_linear_attention(q, k, v, return_state=True, chunk_size=16)
+    y_full, (S_full, z_full) = K.causal_linear_attention(q, k, v, return_state=True, chunk_size=16)
     h = 23   # not a chunk boundary
-    y1, state = K.triton_causal_linear_attention(q[:, :, :h], k[:, :, :h], v[:, :, :h], return_state=True,
+    y1, state = K.causal_linear_attention(q[:, :, :h], k[:, :, :h], v[:, :, :h], return_state=True,
                                                  chunk_size=16)
-    y2, (S2, z2) = K.triton_causal_linear_attention(q[:, :, h:], k[:, :, h:], v[:, :, h:], initial_state=state,
+    y2, (S2, z2) = K.causal_linear_attention(q[:, :, h:], k[:, :, h:], v[:, :, h:], initial_state=state,
                                                     return_state=True, chunk_size=16)
     y_split = torch.cat([y1, y2], dim=2)
     assert rel(y_split, y_full) < 1e-6
@@ -213,11 +206,11 @@ def test_decode_one_token_at_a_time():
     """Prefill then T=1 steps (generation) gives the same outputs as one pass."""
     B, H, T, F, D = 1, 1, 20, 16, 16
     q, k, v = (x.detach().float() for x in make(B, H, T, F, D))
-    y_full = K.triton_causal_linear_attention(q, k, v)
-    y, state = K.triton_causal_linear_attention(q[:, :, :16], k[:, :, :16], v[:, :, :16], return_state=True)
+    y_full = K.causal_linear_attention(q, k, v)
+    y, state = K.causal_linear_attention(q[:, :, :16], k[:, :, :16], v[:, :, :16], return_state=True)
     ys = [y]
     for t in range(16, T):
-        y, state = K.triton_causal_linear_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+        y, state = K.causal_linear_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
                                                     initial_state=state, return_state=True)
         ys.append(y)
     assert rel(torch.cat(ys, dim=2), y_full) < 1e-6
@@ -232,7 +225,7 @@ def test_mixed_dtypes_and_layout():
     q = q.float().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()   # non-contiguous
     k = k.float().requires_grad_()
     v = v.bfloat16().requires_grad_()
-    y = K.triton_causal_linear_attention(q, k, v)
+    y = K.causal_linear_attention(q, k, v)
     assert y.dtype == torch.bfloat16
     y_ref = K.causal_linear_attention_reference(q.double(), k.double(), v.double())
     assert rel(y, y_ref) < 1e-2
@@ -241,36 +234,58 @@ def test_mixed_dtypes_and_layout():
 
 
 @needs_kernel
-def test_dispatcher_uses_triton():
+def test_impl_triton_uses_the_kernel():
+    """attention.linear_attention(impl='triton') runs the kernel (here: in the interpreter)."""
     xs = [x.detach().float() for x in make(1, 1, 17, 16, 16)]
     assert K.triton_available(xs[2])
-    y = K.causal_linear_attention(*xs)
+    y = A.linear_attention(*xs, impl='triton', eps=K.DEFAULT_EPS)
     assert rel(y, K.causal_linear_attention_reference(*[x.double() for x in xs])) < 1e-5
 
 
-def test_dispatcher_fallback_notice(monkeypatch, capsys):
-    """Without Triton for the tensor's device: attention.linear_attention(impl='chunked'), notice printed once."""
-    attention = pytest.importorskip('attention', reason='attention.py not present yet')
+def test_triton_where_it_cannot_run_is_an_error(monkeypatch):
+    """No silent fallback: without Triton for the tensors' device, impl='triton' and the kernel itself raise a
+    one-line error, while impl='chunked' (on the CPU) is the PyTorch path and matches the reference."""
     monkeypatch.setattr(K, 'INTERPRET', False)
-    monkeypatch.setattr(K, '_fallback_noticed', False)
     xs = [x.detach().float().cpu() for x in make(1, 2, 29, 16, 16, init=True)]
-    y, (S, z) = K.causal_linear_attention(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
-    K.causal_linear_attention(*xs[:3])
-    err = capsys.readouterr().err
-    assert err.count('PyTorch chunked path') == 1, err
+    with pytest.raises(ValueError, match="impl='triton' needs .* use impl='chunked'") as e:
+        A.linear_attention(*xs[:3], impl='triton')
+    assert '\n' not in str(e.value)
+    with pytest.raises(RuntimeError, match='needs triton and CUDA tensors'):
+        K.causal_linear_attention(*xs[:3])
+    y, (S, z) = A.linear_attention(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
     y_ref, (S_ref, z_ref) = K.causal_linear_attention_reference(
         *[x.double() for x in xs[:3]], initial_state=(xs[3].double(), xs[4].double()), return_state=True)
     assert rel(y, y_ref) < 1e-5 and rel(S, S_ref) < 1e-5 and rel(z, z_ref) < 1e-5
 
 
 @needs_kernel
+@pytest.mark.parametrize('name', ['exp', 'hedgehog:softmax_dim=false'])
+def test_fp16_values_with_large_key_log_features(name):
+    """Issue 22: fp16 q, k, v whose key log-features are 20..30 (exp(30) = 1e13 > fp16's 65504). The map's
+    fp32 features must not be cast to fp16 by the kernel: the output is finite and matches float64 (computed
+    from the same fp16-rounded inputs with a logsumexp, no features formed)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 1, 2, 40, 16
+    q = torch.randn(B, H, T, D, generator=g).half()
+    k = (torch.rand(B, H, T, D, generator=g) * 10 + 20).half()  # u = k (exp) or [k, -k] (hedgehog, W = I)
+    v = torch.randn(B, H, T, D, generator=g).half()
+    core = A.Attention(f'{name}:impl=triton', D, H).to(DEV)
+    y = core(q.to(DEV), k.to(DEV), v.to(DEV))
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+    u_q, u_k = core.fmap.log_phi(q.double(), 'q', 0), core.fmap.log_phi(k.double(), 'k', 0)
+    logk = torch.logsumexp(u_q[..., :, None, :] + u_k[..., None, :, :], -1)
+    ref = torch.softmax(logk.masked_fill(~A.causal_mask(T, T), -math.inf), -1) @ v.double()
+    assert rel(y.cpu(), ref) < 5e-3
+
+
+@needs_kernel
 def test_matches_attention_chunked():
     """Same result as attention.linear_attention(..., causal=True, impl='chunked'), forward and gradients."""
-    attention = pytest.importorskip('attention', reason='attention.py not present yet')
+    attention = A
     B, H, T, F, D = 1, 2, 70, 32, 16
     xs = [x.detach().float().requires_grad_() for x in make(B, H, T, F, D, init=True)]
     outs = []
-    for fn, dev in ((K.triton_causal_linear_attention, DEV),
+    for fn, dev in ((K.causal_linear_attention, DEV),
                     (lambda *a, **kw: attention.linear_attention(*a, causal=True, impl='chunked', **kw), 'cpu')):
         xd = [x.detach().to(dev).requires_grad_() for x in xs]
         y, (S, z) = fn(*xd[:3], eps=1e-6, initial_state=(xd[3], xd[4]), return_state=True)
@@ -285,7 +300,7 @@ def test_matches_attention_chunked():
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_compiled_kernel_cuda(dtype):
     """On a GPU machine: the compiled (not interpreted) kernel against the float64 reference."""
-    import kernels
+    kernels = K
     B, H, T, F, D = 2, 3, 1000, 128, 64
     xs = [x.detach().cuda() for x in make(B, H, T, F, D, init=True)]
     xs = [x.to(dtype if i < 3 else torch.float32).requires_grad_() for i, x in enumerate(xs)]
@@ -301,27 +316,23 @@ def test_compiled_kernel_cuda(dtype):
         assert rel(a, b) < tol
 
 
-def test_bench_smoke():
-    """The benchmark runs end to end on a tiny config and reports time and measured peak memory per method."""
-    pytest.importorskip('attention', reason='attention.py not present yet')
-    rows = K.bench(device='cpu', B=1, H=2, D=16, F=16, T_list=[64], repeats=1, verbose=False,
-                   methods=['sdpa', 'chunked', 'cumsum'])
-    assert {(r['method'], r['mode']) for r in rows} == {(m, mode) for m in ('sdpa', 'chunked', 'cumsum')
-                                                       for mode in ('fwd', 'fwd+bwd')}
-    assert all(r['ms'] is not None and r['ms'] > 0 for r in rows), rows
-    md = K.bench_markdown(rows)
-    assert '| 64 |' in md and 'sdpa / chunked' in md
+@pytest.mark.skipif(CUDA, reason='on a CUDA machine `python kernels.py` runs the benchmark')
+def test_benchmark_main_without_cuda():
+    """`python kernels.py` is a CUDA benchmark: elsewhere it exits non-zero with a one-line message."""
+    r = subprocess.run([sys.executable, 'kernels.py', '--T', '64'], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and 'needs triton and a CUDA GPU' in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_supported_sizes_and_large_F_falls_back():
-    """Taylor's F = 1 + D + D^2 is beyond the kernel's register blocking: the dispatcher (and attention.py's CUDA
-    path) must use the PyTorch chunked path for it rather than launch the kernel."""
-    import attention
-    import kernels as plain_kernels
-    assert plain_kernels.supports(256, 128) and plain_kernels.supports(128, 64)
-    assert not plain_kernels.supports(1 + 16 + 16 ** 2, 16) and not plain_kernels.supports(64, 256)
+def test_supported_sizes_and_large_F_uses_pytorch():
+    """Taylor's F = 1 + D + D^2 is beyond the kernel's register blocking: impl='chunked' (the CUDA default)
+    runs the PyTorch path for it, and impl='triton' says why it cannot."""
+    assert K.supports(256, 128) and K.supports(128, 64)
+    assert not K.supports(1 + 16 + 16 ** 2, 16) and not K.supports(64, 256)
     g = torch.Generator().manual_seed(0)
     pq, pk = torch.rand(1, 2, 9, 273, generator=g), torch.rand(1, 2, 9, 273, generator=g)
     v = torch.randn(1, 2, 9, 16, generator=g)
-    y = plain_kernels.causal_linear_attention(pq, pk, v)
-    assert torch.allclose(y, attention.linear_attention(pq, pk, v, impl='quadratic'), atol=1e-6)
+    y = A.linear_attention(pq, pk, v, impl='chunked')
+    assert torch.allclose(y, A.linear_attention(pq, pk, v, impl='quadratic'), atol=1e-6)
+    with pytest.raises(ValueError, match='F=273'):
+        A.linear_attention(pq, pk, v, impl='triton')

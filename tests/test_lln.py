@@ -1,4 +1,4 @@
-"""LLN's temperatures alpha, beta (match = paper / kernel / entropy / none) and the LLN Fig. 2 report."""
+"""LLN's temperatures alpha, beta (match = paper / entropy / none) and the LLN Fig. 2 report."""
 import json
 import math
 
@@ -31,8 +31,8 @@ def test_alpha_beta_relationship(match):
     else:
         assert torch.allclose(alpha * s2q.sqrt(), beta * s2k.sqrt())  # alpha s_q = beta s_k, as in the paper
     x = alpha ** 2 * s2q + beta ** 2 * s2k  # s~^2; s_q^2 s_k^2 = 1, 1, 1.5
-    if match in ('paper', 'kernel'):  # moment matching, Eq. 10: a s~^2 + b = s_q^2 s_k^2
-        a, b = A.lln_fit(D, match)
+    if match == 'paper':  # moment matching, Eq. 10: a s~^2 + b = s_q^2 s_k^2
+        a, b = A.lln_fit(D)
         assert torch.allclose(a * x + b, s2q * s2k)
     elif match == 'entropy':  # the tabulated s~^2 at grid points, increasing with s_q^2 s_k^2
         s2_grid, x_grid = A.lln_entropy_fit(D)
@@ -50,16 +50,14 @@ def test_alpha_beta_relationship(match):
 def test_unknown_match_is_one_line_error():
     for call in (lambda: A.make_feature_map('lln', D, 2, match='moments'),
                  lambda: A.lln_alpha_beta(torch.ones(1), torch.ones(1), D, 'moments')):
-        with pytest.raises(ValueError, match=r"unknown LLN match 'moments'; choose one of: paper, kernel, entropy, none"):
+        with pytest.raises(ValueError, match=r"unknown LLN match 'moments'; choose one of: paper, entropy, none"):
             call()
 
 
 def test_paper_fit_recovers_published_constants():
     """App. A.7's fit at head_dim 64 against the published a = 0.1486, b = -0.3549 (measured: 0.1482, -0.3600)."""
-    a, b = A.lln_fit(64, 'paper')
+    a, b = A.lln_fit(64)
     assert abs(a - 0.1486) < 0.005 and abs(b + 0.3549) < 0.03
-    a_k, b_k = A.lln_fit(64, 'kernel')  # the numerator-only fit is a different line
-    assert abs(b_k - b) > 0.03
 
 
 def mean_entropy_bits(core, q, k):
@@ -76,10 +74,10 @@ def test_entropy_match_tracks_softmax(s2):
     d = 16
     q, k = gaussian_qk(s2, seqs=16, D=d)
     h_sm = mean_entropy_bits(A.Attention('softmax', d, 1, causal=False), q, k)
-    h_ent = mean_entropy_bits(A.Attention('lln', d, 1, causal=False, match='entropy'), q, k)
+    h_ent = mean_entropy_bits(A.Attention('lln:match=entropy', d, 1, causal=False), q, k)
     assert abs(h_ent - h_sm) < 0.25, (h_ent, h_sm)
     if s2 == 4.0:
-        h_paper = mean_entropy_bits(A.Attention('lln', d, 1, causal=False, match='paper'), q, k)
+        h_paper = mean_entropy_bits(A.Attention('lln:match=paper', d, 1, causal=False), q, k)
         assert h_sm - h_paper > 0.5, (h_paper, h_sm)
 
 
