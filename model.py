@@ -1031,7 +1031,7 @@ def _read_gguf_tensors(reader, model, path):
 def load_gguf(path, **overrides):
     """A llama.cpp GGUF file -> GPT (family 'llama'): hyperparameters from the metadata, every tensor dequantised
     to float32 by gguf's reader (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K), q/k rows put back in
-    HF order (unpermute_qk). model.tokenizer is the file's byte-level BPE vocabulary (tokenizer.BPETokenizer); a
+    HF order (unpermute_qk). model.tokenizer is the file's byte-level BPE vocabulary (tokenizer.HFTokenizer); a
     vocabulary it cannot read (SentencePiece) leaves it None with a warning, so that using the model for text
     asks for a tokenizer. `overrides` as in GPT.from_pretrained."""
     import gguf
@@ -1043,7 +1043,7 @@ def load_gguf(path, **overrides):
     model = GPT(GPTConfig(**cfg_kwargs))
     _load_hf_state(model, _read_gguf_tensors(reader, model, path), path)
     try:
-        model.tokenizer = tokenizer_lib.BPETokenizer.from_gguf(reader)
+        model.tokenizer = tokenizer_lib.HFTokenizer.from_gguf(reader)
     except tokenizer_lib.TokenizerError as e:
         warnings.warn(f"{path}: {e}; model.tokenizer is None (give one, e.g. --tokenizer <HF folder>)")
     return model

@@ -27,7 +27,7 @@ convolution on the keys (--short_conv, as in H3 / Based), without which no linea
 recall in our runs while softmax did; and embeddings N(0, 1), other weights N(0, 0.08), untied output head
 (with nanoGPT's 0.02 softmax does not learn recall without that convolution).
 
-The data helpers (make_associative_recall, get_tokenizer, load_text, load_glue, glue_metric, ...) are plain
+The data helpers (make_associative_recall, load_text, load_glue, glue_metric, ...) are plain
 functions that other scripts import.
 """
 
@@ -51,7 +51,6 @@ from torch.nn import functional as F
 import attention
 import tokenizer as tokenizer_lib
 from model import GPT, GPTConfig, _read_own_checkpoint, hf_config_to_kwargs, load_checkpoint, save_checkpoint
-from tokenizer import ByteTokenizer, TiktokenTokenizer, get_tokenizer  # noqa: F401 (train.get_tokenizer etc.)
 
 TASKS = ('ar', 'mqar', 'text', 'glue')
 TEST_SEED_OFFSET = 1_000_003   # AR test sequences use seed + this: a stream disjoint from the train seed's
@@ -272,24 +271,21 @@ def ar_datasets(cfg):
 # -----------------------------------------------------------------------------
 # text: tokenizer, loading, batches
 
-# (ByteTokenizer, TiktokenTokenizer and get_tokenizer live in tokenizer.py; imported above)
-
 
 def run_tokenizer(cfg, model=None, verbose=True):
     """The tokenizer of a text or GLUE run (None for associative recall): --tokenizer if given; for a model
-    trained from scratch (model=None) the project tokenizer (get_tokenizer: tiktoken gpt2, else bytes); else the
+    trained from scratch (model=None) bytes (tiktoken's gpt2 only with --tokenizer gpt2); else the
     model's own (its checkpoint's, HF folder's or GGUF file's), or the project tokenizer matching its vocab_size.
     Anything else -- or a tokenizer with more ids than the model's vocabulary -- is an error."""
     if cfg.task not in ('text', 'glue'):
         return None
     if model is None:
-        if not cfg.tokenizer:
-            return get_tokenizer(verbose=verbose and cfg.task == 'text')
-        tok = tokenizer_lib.load_tokenizer(cfg.tokenizer)
+        tok = tokenizer_lib.load_tokenizer(cfg.tokenizer or 'bytes')
     else:
         tok = tokenizer_lib.resolve(model, cfg.tokenizer or None)
     if verbose:
-        src = '--tokenizer' if cfg.tokenizer else "the model's" if model.tokenizer is tok else 'by vocab_size'
+        src = ('--tokenizer' if cfg.tokenizer else 'default' if model is None else
+               "the model's" if model.tokenizer is tok else 'by vocab_size')
         print(f"tokenizer: {tok.name}, vocab {tok.vocab_size} ({src})")
     return tok
 
@@ -556,7 +552,7 @@ class GlueEncoder:
 
     def __init__(self, tok, seq_len, verbose=True):
         if isinstance(tok, str):
-            tok = get_tokenizer(verbose=False) if tok in ('', 'scratch') else tokenizer_lib.load_tokenizer(tok)
+            tok = tokenizer_lib.load_tokenizer('bytes' if tok in ('', 'scratch') else tok)
         self.tok, self.seq_len = tok, seq_len
         self.name, self.vocab_size = tok.name, tok.vocab_size
         if verbose:
@@ -747,7 +743,7 @@ class Task:
         self.cfg = cfg
         self.tokenizer = None
         if cfg.task in ('text', 'glue') and tokenizer is None:
-            tokenizer = get_tokenizer(verbose=verbose and cfg.task == 'text')
+            tokenizer = tokenizer_lib.load_tokenizer('bytes')
         self.num_labels = 0
         if cfg.task in ('ar', 'mqar'):
             (self.x_train, self.y_train), (self.x_test, self.y_test) = ar_datasets(cfg)

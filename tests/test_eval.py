@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import attention
 import eval as ev
 import model as M
+import tokenizer
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +23,7 @@ TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n
 
 
 def _vocab():
-    return train.get_tokenizer(verbose=False).vocab_size
+    return tokenizer.load_tokenizer('bytes').vocab_size
 
 
 def _tiny_gpt(tmp_path, attn='softmax', name='tiny.pt', block_size=64, **kw):
@@ -150,7 +151,7 @@ def test_ppl_report(tmp_path):
                  '--out_dir', out]) == 0
     res = _json(out, 'ppl')
     assert res['context'] == 32 and res['stride'] == 16 and res['ppl'] > 1
-    ids = train.get_tokenizer(verbose=False).encode(TEXT)
+    ids = tokenizer.load_tokenizer('bytes').encode(TEXT)
     assert res['tokens_scored'] == len(ids) - 1
 
 
@@ -315,7 +316,7 @@ def test_fidelity_teacher_qk_and_map_options(tmp_path):
 
 def test_fidelity_bert_windows_are_framed(tmp_path):
     """A BERT's fidelity windows are [CLS] text [SEP] (the tokenizer's single-sentence input), each of --context."""
-    tok = train.get_tokenizer(verbose=False)
+    tok = tokenizer.load_tokenizer('bytes')
     frame = tok.encode_pair('', None, 8)[0]
     ids = tok.encode(TEXT)
     w = ev.fidelity_windows(tok, ids, 16, 3, bert=True)

@@ -57,8 +57,11 @@ def gguf_tensors(model):
     return {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in out.items()}
 
 
-# a tiny byte-level BPE vocabulary: the 256 bytes, a few merges, one control token
-_B2U = T.bytes_to_unicode()
+# a tiny byte-level BPE vocabulary: the 256 bytes (spelled as GPT-2's bytes_to_unicode spells them: printable
+# Latin-1 bytes as themselves, the others as chr(256 + k)), a few merges, one control token
+_KEEP = [*range(ord('!'), ord('~') + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+_MOVED = iter(range(256, 512))
+_B2U = {b: chr(b) if b in _KEEP else chr(next(_MOVED)) for b in range(256)}
 MERGES = ['h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'o r', 'Ġw or', 'l d', 'Ġwor ld']
 TOKENS = ['<|endoftext|>'] + [_B2U[b] for b in range(256)] + [m.replace(' ', '') for m in MERGES]
 TYPES = [3] + [1] * (len(TOKENS) - 1)
@@ -387,7 +390,8 @@ def test_tokenizer_metadata_becomes_model_tokenizer_and_travels(tmp_path):
     m = _model()
     g = M.GPT.from_pretrained(write_gguf(tmp_path / 'm.gguf', m.config, gguf_tensors(m)))
     tok = g.tokenizer
-    assert isinstance(tok, T.BPETokenizer) and tok.pre == 'gpt2' and tok.eos_id == 0 and tok.vocab_size == len(TOKENS)
+    assert isinstance(tok, T.HFTokenizer) and tok.name == 'bpe-gpt2' and tok.eos_id == 0
+    assert tok.vocab_size == len(TOKENS)
     ids = tok.encode('hello world<|endoftext|>')
     assert ids[:2] == [TOKENS.index('hello'), TOKENS.index('Ġworld')] and 0 not in ids   # control token: not from text
     assert tok.encode('<|endoftext|>', special=True) == [0]

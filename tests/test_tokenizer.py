@@ -1,14 +1,20 @@
-"""tokenizer.py and the tokenizer that travels with a model: BPETokenizer against HF's `tokenizers` on tiny
-vocabularies for each pre-tokenizer, spec round trips, the no-tokenizer rules, and the user story end to end: a
+"""tokenizer.py and the tokenizer that travels with a model: the GGUF byte-level BPE (HFTokenizer.from_bpe)
+against HF's `tokenizers` trained on tiny vocabularies for each pre-tokenizer, BERT's WordPiece and classifier
+pairs against transformers, spec round trips, the no-tokenizer rules, bytes as the default for training from
+scratch whether or not tiktoken's files are cached (issue 22), and the user story end to end: a
 BERT finetuned with train.py --init_from <HF folder> carries its tokenizer into ckpt.pt, convert.py --init_from
 that checkpoint encodes with it (the HF tokenizer's ids, not bytes), and eval.py on the converted folder too."""
 import json
 import os
 import shutil
+import types
 
 import numpy as np
 import pytest
+import tokenizers
 import torch
+import transformers
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 import convert as C
 import eval as ev
@@ -16,8 +22,6 @@ import model as M
 import tokenizer as T
 import train
 
-tokenizers = pytest.importorskip('tokenizers')
-from tokenizers import Regex, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 CORPUS = ["Hello world, it's 2024: the 12 cats (and 3 dogs) weren't there.", "  indented\n\tand tabs 42\n\n7 x",
           "I'LL say it's 99.5% done -- Don't you think? 1st, 2nd and 3rd.", "numbers 1234567 and a 12:30 meeting"] * 20
@@ -49,15 +53,15 @@ def ours_from(hf, pre):
     tokens = [t for t, _ in sorted(model['vocab'].items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else ' '.join(m) for m in model['merges']]
     types = [T.CONTROL if t == '<|endoftext|>' else T.NORMAL for t in tokens]
-    return T.BPETokenizer(tokens, merges, types, pre=pre, eos_id=tokens.index('<|endoftext|>'))
+    return T.HFTokenizer.from_bpe(tokens, merges, types, pre=pre, eos_id=tokens.index('<|endoftext|>'))
 
 
 @pytest.mark.parametrize('pre,full', [('gpt2', True), ('smollm', True), ('smollm', False), ('llama-bpe', True)])
 def test_bpe_matches_hf_tokenizers(pre, full):
     hf = hf_bpe(pre, full)
     ours = ours_from(hf, pre)
-    if not full:
-        assert ours._missing          # bytes absent from the vocabulary: HF drops them, so do we
+    if not full:    # bytes absent from the vocabulary: HF drops them, so do we
+        assert not set(pre_tokenizers.ByteLevel.alphabet()) <= set(json.loads(hf.to_str())['model']['vocab'])
     for text in TEXTS + CORPUS[:4]:
         want = hf.encode(text, add_special_tokens=False).ids          # HF matches its special tokens in text
         assert ours.encode(text, special=True) == want, (pre, text)
@@ -76,14 +80,15 @@ def test_smollm_digits_split_before_the_gpt2_regex():
     assert regex.findall(pat, 'a  12 b') == ['a', '  ', '1', '2', ' b']
     assert regex.findall(T.PRE_TOKENIZERS['gpt2'], 'a  12 b') == ['a', ' ', ' 12', ' b']
     with pytest.raises(T.TokenizerError, match="unsupported GGUF pre-tokenizer 'qwen9'; supported:"):
-        T.BPETokenizer(['a'], [], pre='qwen9')
+        T.HFTokenizer.from_bpe(['a'], [], pre='qwen9')
 
 
 def test_spec_round_trips_and_fingerprints(tmp_path):
     import tiktoken
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({b'he': 256, b'll': 257, b'hell': 258})
-    enc = tiktoken.Encoding('tiny', pat_str=T._GPT2_PAT, mergeable_ranks=ranks, special_tokens={'<|endoftext|>': 259})
+    enc = tiktoken.Encoding('tiny', pat_str=T.PRE_TOKENIZERS['gpt2'], mergeable_ranks=ranks,
+                            special_tokens={'<|endoftext|>': 259})
     toks = [T.ByteTokenizer(), T.TiktokenTokenizer(enc), ours_from(hf_bpe('smollm'), 'smollm'),
             T.HFTokenizer.from_folder(_bert_folder(tmp_path))]
     for tok in toks:
@@ -98,14 +103,64 @@ def test_spec_round_trips_and_fingerprints(tmp_path):
         T.load_tokenizer({'kind': 'nope'})
 
 
-def test_no_tokenizer_rules():
-    assert isinstance(T.tokenizer_for_vocab(257), T.ByteTokenizer)
+def _bare(vocab_size, tok=None):
+    """What resolve() reads of a model: its tokenizer and config.vocab_size."""
+    return types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(vocab_size=vocab_size))
+
+
+def test_no_tokenizer_rules(monkeypatch):
+    assert isinstance(T.resolve(_bare(257)), T.ByteTokenizer)
+    _tiktoken_gpt2(monkeypatch, cached=True)
+    assert T.resolve(_bare(50304)).name == 'tiktoken-gpt2'
+    _tiktoken_gpt2(monkeypatch, cached=False)
+    with pytest.raises(T.TokenizerError, match="vocab_size 50304 is GPT-2's, but tokenizer 'gpt2' .* cannot be loaded"):
+        T.resolve(_bare(50304))
     with pytest.raises(T.TokenizerError, match=r"vocab_size 1000 is not that of a project tokenizer .*--tokenizer"):
-        T.tokenizer_for_vocab(1000)
+        T.resolve(_bare(1000))
     with pytest.raises(T.TokenizerError, match="has 257 tokens but the model's vocab_size is 100"):
-        T.check_fits(T.ByteTokenizer(), 100)
+        T.resolve(_bare(100, T.ByteTokenizer()))
     ids, types = T.ByteTokenizer().encode_pair('ab', 'c', max_len=5)     # [eot] a [eot] b [eot], truncated
     assert ids == [256, 97, 256, 99, 256] and types == [0, 0, 0, 1, 1]
+
+
+def _tiktoken_gpt2(monkeypatch, cached):
+    """tiktoken.get_encoding('gpt2') as on a machine with its files cached (a tiny encoding under that name), or
+    as offline without them."""
+    import tiktoken
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks.update({b'th': 256, b'the': 257})
+    enc = tiktoken.Encoding('gpt2', pat_str=T.PRE_TOKENIZERS['gpt2'], mergeable_ranks=ranks,
+                            special_tokens={'<|endoftext|>': 258})
+
+    def get_encoding(name):
+        if not cached:
+            raise ConnectionError("offline (test)")
+        return enc
+    monkeypatch.setattr(tiktoken, 'get_encoding', get_encoding)
+
+
+def test_scratch_training_uses_bytes_unless_gpt2_is_asked_for(tmp_path, monkeypatch, capsys):
+    """Issue 22: training from scratch took tiktoken's gpt2 where its files happened to be cached, else bytes.
+    Now bytes everywhere; --tokenizer gpt2 asks for tiktoken, and where it cannot be loaded that is an error."""
+    text = tmp_path / 'corpus.txt'
+    text.write_text('the cat sat on the mat. ' * 40)
+    argv = ['--task', 'text', '--data', str(text), '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--seq_len',
+            '16', '--batch_size', '4', '--max_iters', '1', '--eval_iters', '1', '--attn', 'elu', '--device', 'cpu']
+    _tiktoken_gpt2(monkeypatch, cached=True)
+    s = train.main(argv + ['--out_dir', str(tmp_path / 'a')])
+    assert s['tokenizer'] == 'byte' and s['model_config']['vocab_size'] == 257
+    assert M.load_checkpoint(str(tmp_path / 'a' / 'ckpt.pt'))[0].tokenizer.fingerprint == T.ByteTokenizer().fingerprint
+    s = train.main(argv + ['--out_dir', str(tmp_path / 'b'), '--tokenizer', 'gpt2'])
+    assert s['tokenizer'] == 'tiktoken-gpt2' and s['model_config']['vocab_size'] == 259
+    _tiktoken_gpt2(monkeypatch, cached=False)
+    assert train.main(argv + ['--out_dir', str(tmp_path / 'c')])['tokenizer'] == 'byte'
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + ['--out_dir', str(tmp_path / 'd'), '--tokenizer', 'gpt2'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "tokenizer 'gpt2' (tiktoken) cannot be loaded" in err and "'bytes'" in err
+    with pytest.raises(T.TokenizerError, match="tokenizer 'nope': not 'bytes', 'gpt2', a HuggingFace folder"):
+        T.load_tokenizer('nope')
 
 
 # ---- the user story: a BERT finetuned from a HF folder keeps its tokenizer ---------------------------------
@@ -114,7 +169,6 @@ WORDS = 'the cat sat on mat a dog ran home we like green tea she reads books of'
 
 
 def _bert_folder(tmp_path, name='bert', with_tokenizer=True, num_labels=2):
-    transformers = pytest.importorskip('transformers')
     folder = tmp_path / name
     if folder.exists():
         return str(folder)
@@ -134,6 +188,44 @@ def _bert_folder(tmp_path, name='bert', with_tokenizer=True, num_labels=2):
     return str(folder)
 
 
+TEXTS_BERT = ['the cats sat', 'The Cat SAT on the mat!', "a dog's home, she reads", 'unknown words: café 中文',
+              'we like green tea and she reads books of the cat', '']
+
+
+def test_bert_wordpiece_and_pairs_match_transformers(tmp_path):
+    """A folder's tokenizer.json, and a vocab.txt alone (WordPiece built here, lower-cased unless
+    tokenizer_config.json says do_lower_case false), encode as transformers' BertTokenizerFast does, and
+    classifier pairs, truncated to every max_len, are its [CLS] a [SEP] b [SEP] with its token types."""
+    bert = _bert_folder(tmp_path)
+    vocab_only = tmp_path / 'vocab_only'
+    vocab_only.mkdir()
+    shutil.copy(os.path.join(bert, 'vocab.txt'), vocab_only / 'vocab.txt')
+    cased = tmp_path / 'cased'
+    shutil.copytree(vocab_only, cased)
+    (cased / 'tokenizer_config.json').write_text('{"do_lower_case": false}')
+    truncating = tmp_path / 'truncating'      # a tokenizer.json that truncates (as MiniLM's does, at 128)
+    shutil.copytree(bert, truncating)
+    spec = json.loads((truncating / 'tokenizer.json').read_text())
+    spec['truncation'] = {'direction': 'Right', 'max_length': 4, 'strategy': 'LongestFirst', 'stride': 0}
+    (truncating / 'tokenizer.json').write_text(json.dumps(spec))
+    assert not T.has_tokenizer_files(str(tmp_path)) and T.has_tokenizer_files(str(vocab_only))
+    for folder, hf in [(bert, transformers.AutoTokenizer.from_pretrained(bert)),
+                       (vocab_only, transformers.BertTokenizerFast(str(vocab_only / 'vocab.txt'))),
+                       (cased, transformers.BertTokenizerFast(str(cased / 'vocab.txt'), do_lower_case=False)),
+                       (truncating, transformers.AutoTokenizer.from_pretrained(str(truncating)))]:
+        ours = T.load_tokenizer(str(folder))
+        assert ours.name == ('hf:WordPiece' if 'tokenizer.json' not in os.listdir(folder) else 'hf:BertTokenizer')
+        assert ours.vocab_size == len(hf) and len(ours.encode(TEXTS_BERT[4])) > 4
+        for a in TEXTS_BERT:
+            assert ours.encode(a) == hf.encode(a, add_special_tokens=False), (folder, a)
+            for b in TEXTS_BERT[:3] + [None]:
+                for max_len in (4, 5, 6, 7, 9, 12, 64):
+                    want = hf(a, b, truncation=True, max_length=max_len)
+                    assert ours.encode_pair(a, b, max_len) == (want['input_ids'], want['token_type_ids'])
+    with pytest.raises(T.TokenizerError, match="has no tokenizer.json or vocab.txt"):
+        T.HFTokenizer.from_folder(str(tmp_path))
+
+
 def _cola(tmp_path):
     d = tmp_path / 'cola'
     d.mkdir(exist_ok=True)
@@ -146,7 +238,6 @@ def _cola(tmp_path):
 
 
 def test_user_story_bert_tokenizer_travels(tmp_path, monkeypatch, capsys):
-    transformers = pytest.importorskip('transformers')
     bert, data = _bert_folder(tmp_path), _cola(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(bert)
     # 1. train.py --task glue --init_from <HF folder>: ckpt.pt carries the folder's tokenizer

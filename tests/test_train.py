@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import tokenizer
 import train as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,10 +155,9 @@ def test_associative_recall_seeds():
 # -----------------------------------------------------------------------------
 # text helpers
 
-def test_byte_tokenizer_fallback(no_tiktoken, capsys):
-    tok = T.get_tokenizer()
-    assert tok.name == 'byte' and tok.vocab_size == 257 and tok.eot == 256
-    assert 'tokenizer: byte' in capsys.readouterr().out
+def test_byte_tokenizer():
+    tok = tokenizer.load_tokenizer('bytes')
+    assert tok.name == 'byte' and tok.vocab_size == 257 and tok.eos_id == 256
     s = 'héllo wörld ✓'
     assert tok.decode(tok.encode(s)) == s
     assert tok.encode_array(s).tolist() == tok.encode(s)
