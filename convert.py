@@ -149,98 +149,51 @@ def lora_parameters(model: nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3.2, Algorithm 1; DoF + Clip: Sec. 4.2)
+# DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec. 4.2)
 #
-# The paper, step by step: K(x, y) = exp(x.y / sqrt d) on one head's teacher queries and keys (after RoPE);
-# x_1..x_J drawn at random from the pooled queries and keys; Gram matrix Sigma~ = [K(x_i, x_j)], i, j in [J]
-# (not divided by J); N~_lambda = tr Sigma~ (Sigma~ + lambda I)^-1 with lambda = 2^-4 for GPT-2, 2^-8 for
-# Pythia-1B (Sec. 4.1); layer DoF = max over heads; M_s = round(C N~_s / mean_s N~_s), so the mean cost is C.
-# The paper gives no value of J: we use 256.  DoF + Clip clamps M_s at the head size afterwards (the mean
-# cost drops below C: Table 4's faster inference).  Our additions, all off by default: gram_scale 'mean'
-# (Sigma~ / J), gram 'sym_half' and 'cross' (see head_dofs), integer dims by largest remainder and min_dim.
+# Per head: J points drawn from the pooled teacher queries and keys (after RoPE), the kernel Gram matrix
+# divided by J, N_lambda = tr(S/J (S/J + lambda I)^-1); layer DoF = max over heads; M_s = C N_s / mean N_s,
+# so the mean cost is C.  The paper gives no J: we use 256.  DoF + Clip clamps M_s at the head size.
 
-DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1)
-GRAM_SCALES = ('none', 'mean')
-GRAMS = ('sym', 'sym_half', 'cross')
+DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1; 2^-8 for Pythia-1B)
 
 
-def exp_gram(x: torch.Tensor, y: torch.Tensor | None = None, scale: float | None = None,
-             gram_scale: str = 'none') -> torch.Tensor:
-    """The softmax-kernel Gram matrix [exp(x_i . y_j * scale)] in float64 (DoF Sec. 3.2, Sigma~).
+def exp_gram(x: torch.Tensor) -> torch.Tensor:
+    """S / J: the softmax kernel's Gram matrix [exp(x_i . x_j / sqrt D)] of x (J, D), divided by J (float64).
 
-    x (N, D); y (M, D) or None (= x, the symmetric kernel on one point set); `scale` defaults to 1/sqrt(D).
-    gram_scale='none' is the paper's matrix; 'mean' (ours) divides it by the number of rows N, so that its
-    eigenvalues estimate those of the kernel's integral operator; its DoF at lambda equals the paper's at
-    N * lambda (the eigenvalues scale by 1/N)."""
-    if gram_scale not in GRAM_SCALES:
-        raise ValueError(f'gram_scale must be one of {GRAM_SCALES}, got {gram_scale!r}')
+    Sec. 3.1 defines DoF as tr(Sigma (Sigma + lambda I)^-1) of the kernel's integral operator Sigma; the
+    eigenvalues of S / J estimate Sigma's, so its DoF converges as J grows.  Algorithm 1 writes the Gram matrix
+    S itself: our departure.  Undivided, tr(S (S + lambda I)^-1) is the divided DoF at lambda / J, which drifts
+    towards J as J grows (tests/test_dof.py measures both)."""
     x = x.double()
-    y = x if y is None else y.double()
-    scale = 1.0 / math.sqrt(x.shape[-1]) if scale is None else scale
-    logits = (x @ y.T) * scale
-    # float64 overflows at exp(709); such logits only occur for degenerate inputs
-    G = torch.exp(logits.clamp(max=700.0))
-    return G / x.shape[0] if gram_scale == 'mean' else G
+    logits = x @ x.T / math.sqrt(x.shape[-1])      # (J, J)
+    return torch.exp(logits.clamp(max=700.0)) / x.shape[0]  # float64 overflows at exp(709)
 
 
 def degrees_of_freedom(gram: torch.Tensor, lam: float) -> float:
-    """Statistical degrees of freedom N~_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) (DoF Sec. 3.2).
-
-    Eigenvalues of the symmetrised matrix in float64 (negative round-off clamped to zero) for a square
-    symmetric G; singular values for a rectangular or non-symmetric (cross) Gram matrix."""
+    """N_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) over the eigenvalues s_i of a symmetric G."""
     if lam <= 0:
         raise ValueError(f'lambda must be > 0, got {lam}')
-    g = gram.double()
-    if g.shape[0] == g.shape[1] and torch.allclose(g, g.T, rtol=1e-6, atol=0):
-        s = torch.linalg.eigvalsh(0.5 * (g + g.T)).clamp(min=0)
-    else:
-        s = torch.linalg.svdvals(g)
+    s = torch.linalg.eigvalsh(gram.double()).clamp(min=0)  # negative round-off -> 0
     return float((s / (s + lam)).sum())
 
 
-def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256, gram: str = 'sym',
-              generator: torch.Generator | None = None, gram_scale: str = 'none') -> list[float]:
-    """Degrees of freedom of each head's softmax kernel (DoF Algorithm 1, the loop over heads).
-
-    q, k: (H, M, D) calibration queries and keys of one layer (M tokens pooled over the batch); J = n_samples.
-    gram='sym' (the paper's): J points drawn without replacement from the 2M pooled queries and keys,
-    symmetric Gram, eigenvalues.  'sym_half' (ours): exactly J/2 queries and J/2 keys (the default before
-    the paper's sampling; the README's older DoF figures use it).  'cross' (ours, not in the paper): J
-    queries x J keys, G_ij = K(q_i, k_j), singular values.  gram_scale: see `exp_gram`."""
-    if gram not in GRAMS:
-        raise ValueError(f'gram must be one of {GRAMS}, got {gram!r}')
-    H, M, D = q.shape
-    out = []
-    for h in range(H):
-        if gram == 'sym':
-            pool = torch.cat([q[h], k[h]])
-            G = exp_gram(pool[torch.randperm(2 * M, generator=generator)[:n_samples]], gram_scale=gram_scale)
-        elif gram == 'sym_half':
-            nq = min(M, n_samples // 2)
-            nk = min(M, n_samples - nq)
-            iq = torch.randperm(M, generator=generator)[:nq]
-            ik = torch.randperm(M, generator=generator)[:nk]
-            G = exp_gram(torch.cat([q[h, iq], k[h, ik]]), gram_scale=gram_scale)
-        else:
-            n = min(M, n_samples)
-            iq = torch.randperm(M, generator=generator)[:n]
-            ik = torch.randperm(M, generator=generator)[:n]
-            G = exp_gram(q[h, iq], k[h, ik], gram_scale=gram_scale)
-        out.append(degrees_of_freedom(G, lam))
-    return out
+def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256,
+              generator: torch.Generator | None = None) -> list[float]:
+    """DoF of each head (Algorithm 1's loop over heads): J = n_samples points drawn without replacement from
+    the head's 2M pooled queries and keys; q, k (H, M, D)."""
+    pool = torch.cat([q, k], 1)  # (H, 2M, D)
+    return [degrees_of_freedom(exp_gram(x[torch.randperm(len(x), generator=generator)[:n_samples]]), lam)
+            for x in pool]
 
 
 def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1) -> list[int]:
-    """Per-layer feature dimensions from the layers' degrees of freedom (DoF Algorithm 1, last line).
+    """Per-layer feature dimensions M_s = C dof_s / mean(dof) (Algorithm 1, last line; C = `budget`).
 
-    Algorithm 1: M_s = round(C dof_s / mean(dof)) with C = `budget`, so the mean cost is C.  We make the
-    mean exact (the paper rounds each layer on its own): shares below min_dim (ours) are raised to it, the
-    other layers share the rest in proportion, and the real shares are rounded by largest remainder, so
-    the integer dimensions sum to round(C L).
-    clip: DoF + Clip (Sec. 4.2; the paper clips at the head size): this allocation is then clamped at `clip`
-    and nothing is redistributed, so the mean cost drops below C whenever a layer exceeded the clip."""
-    dofs = [float(d) for d in dofs]
-    L = len(dofs)
+    Ours: the mean is exact (the paper rounds each layer on its own): shares below min_dim are raised to it,
+    the others share the rest in proportion, rounded by largest remainder so the dims sum to round(C L).
+    clip: DoF + Clip (Sec. 4.2, at the head size): then clamped, nothing redistributed (mean cost < C)."""
+    dofs, L = [float(d) for d in dofs], len(dofs)
     if L == 0:
         return []
     if budget <= 0:
@@ -256,66 +209,55 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
     floored: set[int] = set()
     while True:  # layers whose share is below min_dim get min_dim; the others share the rest
         free = [i for i in range(L) if i not in floored]
-        rest = total - min_dim * len(floored)
         sw = sum(w[i] for i in free)
-        share = {i: rest * w[i] / sw for i in free}
+        share = {i: (total - min_dim * len(floored)) * w[i] / sw for i in free}
         under = [i for i in free if share[i] < min_dim - 1e-9]
         if not under:
             break
         floored.update(under)
     real = [float(min_dim) if i in floored else share[i] for i in range(L)]
     dims = [max(min_dim, math.floor(r + 1e-9)) for r in real]
-    frac = [r - math.floor(r + 1e-9) for r in real]
-    order = sorted(range(L), key=lambda i: (frac[i], w[i]), reverse=True)
+    order = sorted(range(L), key=lambda i: (real[i] - math.floor(real[i] + 1e-9), w[i]), reverse=True)
     for i in order[:max(0, total - sum(dims))]:  # largest remainders first (fewer than L units are left)
         dims[i] += 1
     return dims if clip is None else [min(d, int(clip)) for d in dims]
 
 
 def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_GPT2, n_samples: int = 256,
-                        clip: int | None = None, min_dim: int = 2, gram: str = 'sym', seed: int = 0,
-                        verbose: bool = True, gram_scale: str = 'none'):
-    """DoF Algorithm 1: degrees of freedom per head, max over heads per layer, dimensions proportional to
-    it with mean cost `budget` (C); `clip` = DoF + Clip (Sec. 4.2), see `allocate_dims`.
-
-    layer_qk: {layer index: (q, k)} with q, k (H, M, D) calibration queries/keys (after RoPE).
-    Returns (dims {layer: int}, table list of dicts; with a clip, each row also has 'unclipped')."""
+                        clip: int | None = None, min_dim: int = 2, seed: int = 0, verbose: bool = True):
+    """DoF Algorithm 1 (+ Clip): layer_qk {layer: (q, k)}, q, k (H, M, D) teacher queries/keys after RoPE.
+    Returns (dims {layer: int}, table: a dict per layer; with a clip each also has 'unclipped')."""
     g = torch.Generator().manual_seed(seed)
     layers = sorted(layer_qk)
-    per_head = {l: head_dofs(layer_qk[l][0], layer_qk[l][1], lam, n_samples, gram, g, gram_scale) for l in layers}
-    layer_dof = [max(per_head[l]) for l in layers]
+    per_head = [head_dofs(*layer_qk[l], lam, n_samples, g) for l in layers]
+    layer_dof = [max(d) for d in per_head]
     dims = allocate_dims(layer_dof, budget, clip=clip, min_dim=min_dim)
-    table = [{'layer': l, 'dof_heads': [round(x, 3) for x in per_head[l]], 'dof_max': round(d, 3),
-              'feature_dim': fd} for l, d, fd in zip(layers, layer_dof, dims)]
-    if clip is not None:
-        for r, fd in zip(table, allocate_dims(layer_dof, budget, min_dim=min_dim)):
-            r['unclipped'] = fd
+    free = allocate_dims(layer_dof, budget, min_dim=min_dim)
+    table = [dict(layer=l, dof_heads=[round(x, 3) for x in h], dof_max=round(d, 3), feature_dim=fd,
+                  **({'unclipped': u} if clip is not None else {}))
+             for l, h, d, fd, u in zip(layers, per_head, layer_dof, dims, free)]
     if verbose:
-        print(format_dof_table(table, budget, lam, n_samples, gram, gram_scale, clip))
+        print(format_dof_table(table, budget, lam, n_samples, clip))
     return dict(zip(layers, dims)), table
 
 
-def format_dof_table(table, budget, lam, n_samples, gram, gram_scale='none', clip=None) -> str:
-    """The per-layer DoF table (markdown) with the settings it was computed with and the resulting mean cost."""
-    G = 'exp(x_i.x_j/sqrt d)' + (' / J' if gram_scale == 'mean' else '')
-    lines = [f'DoF feature-dimension selection (DoF Alg. 1): lambda={lam:g}, J={n_samples}, gram={gram}, '
-             f'G = {G}, budget C={budget:g}' + (f', DoF + Clip at {clip}' if clip is not None else ''),
-             '| layer | DoF per head | max DoF | feature_dim |' + (' before clip |' if clip is not None else ''),
-             '|---|---|---|---|' + ('---|' if clip is not None else '')]
-    for r in table:
-        heads = ' '.join(f'{x:.1f}' for x in r['dof_heads'])
-        lines.append(f"| {r['layer']} | {heads} | {r['dof_max']:.2f} | {r['feature_dim']} |"
-                     + (f" {r['unclipped']} |" if clip is not None else ''))
+def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
+    """The per-layer DoF table (markdown) with its settings, the mean cost and a note where DoF nears J."""
+    c = clip is not None
+    lines = [f'DoF feature-dimension selection (DoF Alg. 1): lambda={lam:g}, J={n_samples}, '
+             f'G = exp(x_i.x_j/sqrt d) / J, budget C={budget:g}' + (f', DoF + Clip at {clip}' if c else ''),
+             '| layer | DoF per head | max DoF | feature_dim |' + (' before clip |' if c else ''),
+             '|---|---|---|---|' + ('---|' if c else '')]
+    lines += [f"| {r['layer']} | {' '.join(f'{x:.1f}' for x in r['dof_heads'])} | {r['dof_max']:.2f} | "
+              f"{r['feature_dim']} |" + (f" {r['unclipped']} |" if c else '') for r in table]
     if table:
-        mean = sum(r['feature_dim'] for r in table) / len(table)
-        n_clipped = sum(r['unclipped'] > r['feature_dim'] for r in table) if clip is not None else 0
-        lines.append(f'mean feature_dim = {mean:g} (budget C = {budget:g}'
-                     + (f'; {n_clipped} of {len(table)} layers clipped at {clip}' if clip is not None else '')
-                     + ')')
+        n_clipped = sum(r['unclipped'] > r['feature_dim'] for r in table) if c else 0
+        lines.append(f"mean feature_dim = {sum(r['feature_dim'] for r in table) / len(table):g} (budget C = "
+                     f'{budget:g}' + (f'; {n_clipped} of {len(table)} layers clipped at {clip}' if c else '') + ')')
         top = max(r['dof_max'] for r in table)
         if top > 0.9 * n_samples:
             lines.append(f'note: max DoF {top:.1f} is near J = {n_samples}, where the estimate saturates; '
-                         'a larger --dof_samples or --dof_lambda separates the layers')
+                         'a larger --dof_lambda separates the layers')
     return '\n'.join(lines)
 
 
@@ -1078,16 +1020,10 @@ def get_parser():
                    help='> 0: choose per-layer feature dimensions from the degrees of freedom with this mean '
                         '(dof: M random features; hedgehog: the total width F = 2 x MLP outputs)')
     g.add_argument('--dof_lambda', type=float, default=DOF_LAMBDA_GPT2,
-                   help="lambda in tr(G (G + lambda I)^-1); default 2^-4, the paper's value for GPT-2 (2^-8 for "
-                        "Pythia-1B); with --dof_gram_scale mean, lambda x J is the paper's equivalent")
+                   help="lambda in tr(G (G + lambda I)^-1), G = the Gram matrix / J; default 2^-4, the paper's "
+                        'value for GPT-2 (2^-8 for Pythia-1B), which the paper applies to the undivided Gram')
     g.add_argument('--dof_samples', type=int, default=256,
                    help='J, the points sampled per head (the paper leaves J open)')
-    g.add_argument('--dof_gram_scale', default='none', choices=list(GRAM_SCALES),
-                   help="none: the paper's Gram matrix [exp(x_i.x_j/sqrt d)]; mean: divided by J (its DoF at "
-                        "lambda is the paper's at J x lambda)")
-    g.add_argument('--dof_gram', default='sym', choices=list(GRAMS),
-                   help="sym (the paper's): J points from the pooled queries and keys; sym_half: J/2 queries and "
-                        'J/2 keys; cross: J queries x J keys, singular values')
     g.add_argument('--dof_clip', action='store_true',
                    help='DoF + Clip (paper Sec. 4.2): clamp each layer at head_dim after the allocation '
                         '(hedgehog: F at 2 x head_dim), nothing redistributed: the mean cost falls below the budget')
@@ -1331,20 +1267,17 @@ def run(args):
         f = 2 if args.attn == 'hedgehog' else 1  # hedgehog's F = 2 x (MLP outputs): allocate MLP outputs
         clip = cfg.head_dim if args.dof_clip else None  # DoF + Clip: M <= head size (hedgehog: F <= 2 head_dim)
         dims, table = select_feature_dims(qk, args.dof_budget / f, args.dof_lambda, args.dof_samples, clip=clip,
-                                          min_dim=1 if f == 2 else 2, gram=args.dof_gram, seed=args.seed,
-                                          verbose=False, gram_scale=args.dof_gram_scale)
+                                          min_dim=1 if f == 2 else 2, seed=args.seed, verbose=False)
         dims = {l: f * d for l, d in dims.items()}
         for r in table:
             r['feature_dim'] *= f
             if 'unclipped' in r:
                 r['unclipped'] *= f
         clip = clip and f * clip
-        print(format_dof_table(table, args.dof_budget, args.dof_lambda, args.dof_samples, args.dof_gram,
-                               args.dof_gram_scale, clip), flush=True)
+        print(format_dof_table(table, args.dof_budget, args.dof_lambda, args.dof_samples, clip), flush=True)
         layer_options = {l: {'feature_dim': d} for l, d in dims.items()}
-        summary['dof'] = {'lambda': args.dof_lambda, 'J': args.dof_samples, 'gram': args.dof_gram,
-                          'gram_scale': args.dof_gram_scale, 'budget': args.dof_budget, 'clip': clip,
-                          'calib_tokens': qk[layers[0]][0].shape[1],
+        summary['dof'] = {'lambda': args.dof_lambda, 'J': args.dof_samples, 'budget': args.dof_budget,
+                          'clip': clip, 'calib_tokens': qk[layers[0]][0].shape[1],
                           'mean_feature_dim': sum(dims.values()) / len(dims)}
         summary['dof_table'] = table
     # ---- swap

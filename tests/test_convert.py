@@ -239,8 +239,8 @@ def test_dof_selection_in_the_pipeline(ckpts, text_file, tmp_path, capsys):
     dims = [s['feature_dims'][str(l)] for l in range(2)]
     assert sum(r['unclipped'] for r in s['dof_table']) == 40 and dims == [16, 16]  # mean cost 16 < 20
     assert [r['feature_dim'] for r in s['dof_table']] == dims
-    assert s['dof'] == {'lambda': 2 ** -4, 'J': 32, 'gram': 'sym', 'gram_scale': 'none', 'budget': 20,
-                        'clip': 16, 'calib_tokens': 4 * 4 * 32, 'mean_feature_dim': 16}
+    assert s['dof'] == {'lambda': 2 ** -4, 'J': 32, 'budget': 20, 'clip': 16, 'calib_tokens': 4 * 4 * 32,
+                        'mean_feature_dim': 16}
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
-"""Tests for convert.py's DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3.2, Algorithm 1,
-DoF + Clip of Sec. 4.2): the paper's Gram matrix and degrees of freedom on hand examples, the 'mean'
-scaling's exact relation to it, the allocation with and without the clip.  Tiny, CPU, no transformers."""
+"""Tests for convert.py's DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1, DoF + Clip
+of Sec. 4.2): the Gram matrix / J and its degrees of freedom on hand examples, their convergence in J, the
+allocation with and without the clip.  Tiny, CPU, no transformers."""
 import math
 
 import pytest
@@ -24,16 +24,16 @@ def test_degrees_of_freedom_known_spectrum():
         C.degrees_of_freedom(G, 0.0)
 
 
-def test_paper_gram_and_dof_on_a_hand_example():
-    # two points x1 = (1, 0), x2 = (1, 1) in d = 2: K = exp(x.y / sqrt 2), Gram [K(x_i, x_j)] not divided by J
+def test_gram_and_dof_on_a_hand_example():
+    # two points x1 = (1, 0), x2 = (1, 1) in d = 2: K = exp(x.y / sqrt 2), Gram [K(x_i, x_j)] divided by J = 2
     a, b, c = math.exp(1 / math.sqrt(2)), math.exp(1 / math.sqrt(2)), math.exp(2 / math.sqrt(2))
     x = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     G = C.exp_gram(x)
-    assert torch.allclose(G, torch.tensor([[a, b], [b, c]], dtype=torch.float64), rtol=1e-12, atol=0)
-    # eigenvalues of [[a, b], [b, c]] in closed form
+    assert torch.allclose(G, torch.tensor([[a, b], [b, c]], dtype=torch.float64) / 2, rtol=1e-12, atol=0)
+    # eigenvalues of [[a, b], [b, c]] / 2 in closed form
     m, r = (a + c) / 2, math.sqrt(((a - c) / 2) ** 2 + b * b)
     lam = 2 ** -4  # the paper's lambda for GPT-2 (and our default)
-    want = sum(s / (s + lam) for s in (m + r, m - r))
+    want = sum(s / 2 / (s / 2 + lam) for s in (m + r, m - r))
     assert C.degrees_of_freedom(G, lam) == pytest.approx(want, rel=1e-12)
     # head_dofs with J = 2 on one query and one key draws both points (the paper's pooled sampling)
     q, k = x[:1][None], x[1:][None]  # (H=1, M=1, D=2)
@@ -43,56 +43,38 @@ def test_paper_gram_and_dof_on_a_hand_example():
         pytest.approx(want, abs=1e-3)
 
 
-def test_mean_scaling_is_the_paper_at_j_times_lambda():
-    torch.manual_seed(0)
-    J, lam = 40, 3e-3
-    x, y = torch.randn(J, 8), torch.randn(J, 8)
-    assert torch.allclose(C.exp_gram(x, gram_scale='mean') * J, C.exp_gram(x), rtol=1e-12, atol=0)
-    for args in ((x,), (x, y)):  # symmetric and cross Gram matrices
-        d_mean = C.degrees_of_freedom(C.exp_gram(*args, gram_scale='mean'), lam)
-        d_paper = C.degrees_of_freedom(C.exp_gram(*args), J * lam)
-        assert d_mean == pytest.approx(d_paper, rel=1e-9)
-    q, k = torch.randn(2, 100, 8), torch.randn(2, 100, 8)
-    for gram in C.GRAMS:
-        d_mean = C.head_dofs(q, k, lam, J, gram, torch.Generator().manual_seed(1), gram_scale='mean')
-        d_paper = C.head_dofs(q, k, J * lam, J, gram, torch.Generator().manual_seed(1))
-        assert d_mean == pytest.approx(d_paper, rel=1e-9)
-    with pytest.raises(ValueError, match='gram_scale'):
-        C.exp_gram(x, gram_scale='sum')
+def test_dof_converges_as_j_doubles():
+    """Gaussian queries and keys of small norm (std 0.4, d = 8): exp(x.y/sqrt d) = sum_n (x.y/sqrt d)^n / n!
+    with x.y/sqrt d ~ 0.06, so the integral operator's eigenvalues fall like 0.06^n / n! per degree n and only
+    a few exceed lambda: the DoF of S/J settles as J grows.  The undivided S (Algorithm 1's matrix) has
+    eigenvalues J times larger, so its DoF at lambda, the divided one at lambda / J, keeps growing."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 512, 8, generator=g) * 0.4  # (H=1, M=512, D=8) each: 1024 pooled points
+    lam = 1e-2
+    div = {J: C.head_dofs(q, k, lam, J, torch.Generator().manual_seed(1))[0] for J in (256, 512)}
+    assert 5 < div[256] < 50 and div[512] == pytest.approx(div[256], rel=0.1)
+    und = {}
+    for J in (256, 512):  # the same draws as head_dofs, Gram not divided
+        x = torch.cat([q[0], k[0]])[torch.randperm(1024, generator=torch.Generator().manual_seed(1))[:J]]
+        S = torch.exp(x.double() @ x.double().T / math.sqrt(8))
+        assert torch.allclose(C.exp_gram(x) * J, S, rtol=1e-12, atol=0)
+        und[J] = C.degrees_of_freedom(S, lam)
+        assert C.degrees_of_freedom(S, J * lam) == pytest.approx(div[J], rel=1e-9)  # undivided at J lambda
+    assert und[512] > 1.3 * und[256] and und[256] > 3 * div[256]
 
 
 def test_head_dofs_sampling():
     torch.manual_seed(0)
     q, k = torch.randn(3, 30, 8), torch.randn(3, 30, 8)
-    # J = 2M takes every query and key: 'sym' and 'sym_half' then see the same point set
+    # J = 2M takes every query and key
     full = [C.degrees_of_freedom(C.exp_gram(torch.cat([q[h], k[h]])), 0.1) for h in range(3)]
-    for gram in ('sym', 'sym_half'):
-        assert C.head_dofs(q, k, 0.1, 60, gram) == pytest.approx(full, rel=1e-9)
-    for gram in C.GRAMS:  # bounded by J
-        d = C.head_dofs(q, k, 1e-3, 16, gram, torch.Generator().manual_seed(0))
-        assert len(d) == 3 and all(0 < v <= 16 for v in d)
+    assert C.head_dofs(q, k, 0.1, 60) == pytest.approx(full, rel=1e-9)
+    d = C.head_dofs(q, k, 1e-3, 16, torch.Generator().manual_seed(0))  # bounded by J
+    assert len(d) == 3 and all(0 < v <= 16 for v in d)
     # nearly collinear queries/keys have far fewer degrees of freedom than spread ones
     lowrank = torch.randn(1, 300, 1) * torch.randn(1, 1, 8) * 0.3
     spread = torch.randn(1, 300, 8)
     assert C.head_dofs(lowrank, lowrank, 2 ** -4, 64)[0] < C.head_dofs(spread, spread, 2 ** -4, 64)[0]
-    with pytest.raises(ValueError, match='gram must be one of'):
-        C.head_dofs(q, k, 0.1, 16, 'union')
-
-
-def test_sym_half_mean_is_the_earlier_definition():
-    """--dof_gram sym_half --dof_gram_scale mean reproduces the pre-paper-default code (the README's older
-    DoF table): J/2 queries and J/2 keys drawn in that order, Gram exp(x.x'/sqrt d) / J."""
-    torch.manual_seed(0)
-    q, k, J, lam = torch.randn(2, 50, 8), torch.randn(2, 50, 8), 32, 1e-2
-    g = torch.Generator().manual_seed(3)
-    want = []
-    for h in range(2):
-        iq, ik = torch.randperm(50, generator=g)[:J // 2], torch.randperm(50, generator=g)[:J // 2]
-        x = torch.cat([q[h, iq], k[h, ik]]).double()
-        s = torch.linalg.eigvalsh(torch.exp(x @ x.T / math.sqrt(8)) / J).clamp(min=0)
-        want.append(float((s / (s + lam)).sum()))
-    got = C.head_dofs(q, k, lam, J, 'sym_half', torch.Generator().manual_seed(3), gram_scale='mean')
-    assert got == pytest.approx(want, rel=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -154,15 +136,15 @@ def test_select_feature_dims_table(capsys):
     dims, table = C.select_feature_dims(qk, budget=12, n_samples=64)
     out = capsys.readouterr().out
     assert 'max DoF' in out and 'mean feature_dim = 12 ' in out
-    assert 'lambda=0.0625, J=64, gram=sym, G = exp(x_i.x_j/sqrt d),' in out
+    assert 'lambda=0.0625, J=64, G = exp(x_i.x_j/sqrt d) / J,' in out
     assert sum(dims.values()) / 2 == 12
     for r in table:
         assert all(0 < d <= 64 for d in r['dof_heads'])
         assert r['dof_max'] == max(r['dof_heads']) and 'unclipped' not in r
     assert dims[1] > dims[0]  # larger q.k spread -> more degrees of freedom
     # DoF + Clip at 8: the larger layer is clamped, the table shows both and the mean cost falls below C
-    dims_c, table_c = C.select_feature_dims(qk, budget=12, n_samples=64, clip=8, gram_scale='mean', lam=1e-2)
+    dims_c, table_c = C.select_feature_dims(qk, budget=12, n_samples=64, clip=8, lam=1e-2)
     out = capsys.readouterr().out
     assert dims_c[1] == 8 and sum(dims_c.values()) / 2 < 12
     assert [r['unclipped'] for r in table_c] == C.allocate_dims([r['dof_max'] for r in table_c], 12, min_dim=2)
-    assert 'G = exp(x_i.x_j/sqrt d) / J' in out and 'DoF + Clip at 8' in out and '1 of 2 layers clipped at 8' in out
+    assert 'DoF + Clip at 8' in out and '1 of 2 layers clipped at 8' in out
