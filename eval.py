@@ -472,8 +472,8 @@ def report_fidelity(args):
     torch.manual_seed(0)
     layers, summary, first = [], {}, []
     for li, (core, (q, k)) in enumerate(zip(cores, qk)):
-        own = {} if core.attn == 'softmax' else {
-            f'{core_label(core)} (model)': lambda q_, k_, c=core: c.weights(q_.to(args.device), k_.to(args.device)).cpu()}
+        own = {} if core.attn == 'softmax' else {f'{core_label(core)} (model)': lambda q_, k_, c=core: c.weights(
+            q_.to(args.device), k_.to(args.device)).cpu()}
         stats, weights = fidelity_stats(q, k, {**own, **compared_maps(specs, cfg, q, k, core.causal)}, core.causal)
         per_head = {n: {m: v.tolist() for m, v in s.items()} for n, s in stats.items()}
         layers.append({'layer': li, 'attn': core.attn, 'heads': [
@@ -495,7 +495,7 @@ def report_fidelity(args):
 
 
 def print_fidelity(summary):
-    log(f'{"map":32s} {"KL(softmax||map)":>16s} {"entropy":>9s} {"monotonicity":>12s}   (means over layers, heads, rows)')
+    log(f'{"map":32s} {"KL(softmax||map)":>16s} {"entropy":>9s} {"monotonicity":>12s}  (mean: layers, heads, rows)')
     for name, s in summary.items():
         kl = f'{s["kl_mean"]:.4f}' if 'kl_mean' in s else '-'
         log(f'{name:32s} {kl:>16s} {s["entropy_mean"]:9.3f} {s["monotonicity_mean"]:12.3f}')
@@ -537,9 +537,11 @@ def line_plots(panels, title, ncols=None):
     ncols = ncols or len(panels)
     fig, axes = plt.subplots(-(-len(panels) // ncols), ncols, figsize=(4.6 * ncols, 3.4 * -(-len(panels) // ncols)),
                              squeeze=False)
+    labels = [lab for lab in dict.fromkeys(lab for p in panels for lab in p['series']) if lab != 'softmax']
     for ax, panel in zip(axes.flat, panels):
-        for n, (label, (xs, ys)) in enumerate(panel['series'].items()):
-            style = {'color': 'k', 'lw': 2} if label == 'softmax' else {'color': f'C{n % 10}', 'ls': '-' if n <= 10 else '--'}
+        for label, (xs, ys) in panel['series'].items():
+            n = labels.index(label) if label != 'softmax' else -1     # one colour per label across the panels
+            style = {'color': 'k', 'lw': 2} if n < 0 else {'color': f'C{n % 10}', 'ls': '-' if n < 10 else '--'}
             ax.plot(xs, ys, marker='o', ms=3, label=label, **style)
         ax.set(**{k: v for k, v in panel.items() if k != 'series'})
         ax.title.set_fontsize(9)
@@ -592,11 +594,14 @@ def fidelity_figures(out_dir, qk, weights, layers, pairs, cores):
 
 def fidelity_entropy(out_dir, summary):
     """Entropy and KL(softmax || map) per layer, mean over heads."""
-    fig, _ = line_plots([{'series': {name: ([i for i, v in enumerate(s[key]) if v is not None], [v for v in s[key]
-                          if v is not None]) for name, s in summary.items() if key in s}, 'title': title,
-                          'xlabel': 'layer', 'yscale': scale} for key, title, scale in (
-        ('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
-        ('kl_per_layer', 'KL(softmax || map) per layer', 'log'))], 'attention entropy and KL per layer')
+    panels = []
+    for key, title, yscale in (('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
+                               ('kl_per_layer', 'KL(softmax || map) per layer', 'log')):
+        series = {name: list(zip(*[(li, max(v, 1e-8)) for li, v in enumerate(s[key]) if v is not None]))
+                  for name, s in summary.items() if key in s}
+        panels.append({'series': series, 'title': title, 'xlabel': 'layer', 'yscale': yscale,
+                       'xticks': range(len(summary['softmax']['entropy_per_layer']))})
+    fig, _ = line_plots(panels, 'attention entropy and KL per layer')
     return [_save_figure(fig, out_dir, 'fidelity_entropy.png')] if fig else []
 
 
@@ -668,17 +673,21 @@ def lln_figure(out_dir, grid, curves, head_dim, tokens):
         return []
     for ax in axes:
         ax.axvspan(1, 4, color='0.92', zorder=0)
+        for line in ax.lines:                       # the baselines dashed
+            line.set_linestyle('--' if line.get_label() in ('elu', 'relu') else '-')
+        ax.legend(fontsize=7)
     return [_save_figure(fig, out_dir, 'lln.png')]
 
 
 # -----------------------------------------------------------------------------------------------------------
 # benchmarks
 
-def timed(fn):
-    """Median seconds per call of fn(): torch.utils.benchmark.Timer (warm-up, CUDA synchronised) with the
-    process's torch threads (OMP_NUM_THREADS)."""
+def timed(fn, number=0):
+    """Seconds per call of fn() by torch.utils.benchmark.Timer (CUDA synchronised) with the process's torch threads
+    (OMP_NUM_THREADS): the median over blocked_autorange (which warms up first), or with `number` the mean of
+    `number` calls after 2 warm-up calls (Timer.timeit)."""
     t = benchmark.Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads())
-    return t.blocked_autorange(min_run_time=0.2).median
+    return t.timeit(number).mean if number else t.blocked_autorange(min_run_time=0.2).median
 
 
 def _proc_mb(key):
@@ -763,7 +772,7 @@ def bench_decode(lengths, specs, device, model=None):
             def step():
                 logits, run['states'] = m.decode_step(run['tok'], run['pos'], run['states'])
                 run['tok'], run['pos'] = logits.argmax(-1), run['pos'] + 1
-            sec = benchmark.Timer('step()', globals={'step': step}, num_threads=torch.get_num_threads()).timeit(steps).mean
+            sec = timed(step, steps)
             rows.append({'attn': spec[0], 'length': L, 'ms_per_token': sec * 1e3, 'tokens_per_s': 1 / sec,
                          'state_mb': m.decode_state_nbytes(run['states']) / 2**20, 'rss_mb': _proc_mb('VmRSS')})
             del run, states, logits
@@ -785,30 +794,34 @@ BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
 
 
 def bench_markdown(res):
-    """A table per part, a row per length, a column per map; per map, decode's longest over shortest length."""
+    """A table per part, a row per length, a column per map; decode: longest over shortest length, per map."""
     out = []
     for part, (x, _, caption, cell) in BENCH_TABLES.items():
-        rows, cols = res.get(part) or [], list(dict.fromkeys(r['attn'] for r in res.get(part) or []))
+        rows = res.get(part) or []
+        cols = list(dict.fromkeys(r['attn'] for r in rows))
         out += [caption.format(**res['config']) + ':', '', f'| {x} | ' + ' | '.join(cols) + ' |',
                 '|---:|' + '---:|' * len(cols)] if rows else []
-        out += [f'| {v} | ' + ' | '.join(next((cell(r) for r in rows if r[x] == v and r['attn'] == a), '-')
-                                         for a in cols) + ' |' for v in sorted({r[x] for r in rows})] + [''] * bool(rows)
+        for v in sorted({r[x] for r in rows}):
+            cells = {r['attn']: cell(r) for r in rows if r[x] == v}
+            out.append(f'| {v} | ' + ' | '.join(cells.get(a, '-') for a in cols) + ' |')
+        out += [''] if rows else []
     for a in dict.fromkeys(r['attn'] for r in res.get('decode') or []):
         rr = sorted((r for r in res['decode'] if r['attn'] == a), key=lambda r: r['length'])
-        out.append(f'- {a}, {rr[0]["length"]} -> {rr[-1]["length"]} tokens: per-token time x'
-                   f'{rr[-1]["ms_per_token"] / rr[0]["ms_per_token"]:.2f}, state x{rr[-1]["state_mb"] / rr[0]["state_mb"]:.2f}, '
-                   f'RSS x{(rr[-1]["rss_mb"] or 0) / (rr[0]["rss_mb"] or 1):.2f}')
+        x = {k: (rr[-1][k] or 0) / (rr[0][k] or 1) for k in ('ms_per_token', 'state_mb', 'rss_mb')}
+        out.append(f'- {a}, {rr[0]["length"]} -> {rr[-1]["length"]} tokens: per-token time x{x["ms_per_token"]:.2f}, '
+                   f'state x{x["state_mb"]:.2f}, RSS x{x["rss_mb"]:.2f}')
     return '\n'.join(out)
 
 
 def bench_plot(res, out_dir):
-    """Per part: time (top row) and memory (bottom row) against length, log-log, one line per map."""
-    parts = [(p, *BENCH_TABLES[p][:2]) for p in BENCH_TABLES if res.get(p)]   # (part, x, (time, memory))
-    panels = [{'series': {a: ([r[x] for r in res[p] if r['attn'] == a], [max(r[key] or 0, 1e-3) for r in res[p]
-                                                                          if r['attn'] == a])
-                          for a in dict.fromkeys(r['attn'] for r in res[p])},
-               'title': f'{p}: {key}', 'xlabel': x, 'xscale': 'log', 'yscale': 'log'}
-              for row in (0, 1) for p, x, keys in parts for key in keys[row:row + 1]]
+    """Per part, time (top row) and memory (bottom row) against length, log-log, a line per map."""
+    parts, panels = [p for p in BENCH_TABLES if res.get(p)], []
+    for row, p in itertools.product((0, 1), parts):
+        x, y = BENCH_TABLES[p][0], BENCH_TABLES[p][1][row]
+        series = {a: ([r[x] for r in res[p] if r['attn'] == a],
+                      [max(r[y] or 0, 1e-3) for r in res[p] if r['attn'] == a])
+                  for a in dict.fromkeys(r['attn'] for r in res[p])}
+        panels.append({'series': series, 'title': f'{p}: {y}', 'xlabel': x, 'xscale': 'log', 'yscale': 'log'})
     fig, _ = line_plots(panels, f'{res["config"]["device_name"]}, torch {torch.__version__}', ncols=len(parts))
     return _save_figure(fig, out_dir, 'bench.png') if fig else None
 
