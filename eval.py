@@ -15,9 +15,9 @@ file. Text is encoded with the model's own tokenizer, or with --tokenizer PATH's
 
 In reading order: loading (load_model, load, capture_qk); perplexity (ppl_windows, perplexity: the project's
 one); GLUE (report_glue, predict_glue); ROUGE (summarize, rouge by the rouge-score package); generate (next to
-the softmax teacher); attention fidelity (fidelity_stats, report_fidelity, its figures); LLN Fig. 2 (lln_fig2,
+the softmax teacher); attention fidelity (fidelity_stats, report_fidelity, fidelity_figures); LLN Fig. 2 (lln_fig2,
 report_lln); benchmarks (timed by torch.utils.benchmark.Timer, peak_memory_mb, bench_forward for attention and
-prefill, bench_decode, bench_markdown, bench_plot, report_bench); the command line (build_parser, main).
+prefill, bench_decode, bench_markdown, report_bench with its plot); the command line (build_parser, main).
 """
 import argparse
 import ctypes
@@ -40,11 +40,10 @@ REPORTS = ['ppl', 'glue', 'rouge', 'generate', 'fidelity', 'bench', 'lln']
 BENCH_SWEEPS = {'attention': '512,1024,2048,4096,8192', 'prefill': '256,512,1024,2048,4096',
                 'decode': '512,1024,2048,4096,8192,16384,32768'}      # --bench parts and their default lengths
 LLN_GRID = '0.25,0.5,1,1.5,2,2.5,3,3.5,4,5,6'                             # LLN Fig. 2's temperatures sigma^2
+LLN_CURVES = (('entropy_bits', 'row entropy (bits)'), ('spectral_gap', 'spectral gap 1 - |lambda_2|'))
 DECODE_STEPS, FIG_TOKENS, SCATTER_ROWS = 64, 64, 8
-CKPT_NAMES = ('ckpt.pt', 'ckpt.safetensors', 'model.safetensors', 'model.pt')
-# The SAMSum prompt (Hedgehog, Listing 4): the llama-recipes SAMSum template -- instruction, the dialogue, a
-# separator line and "Summary:"; the model continues with the summary and EOS. (Written from the llama-recipes
-# template, which the paper's Llama-2 SAMSum runs use; not checked letter by letter against the paper's listing.)
+# The SAMSum prompt (Hedgehog, Listing 4): llama-recipes' SAMSum template, which the paper's Llama-2 runs use (not
+# checked letter by letter against the paper's listing); the model continues with the summary and EOS.
 SAMSUM_PROMPT = "Summarize this dialog:\n{dialogue}\n---\nSummary:\n"
 DEFAULT_PROMPTS = ('The capital of France is Paris. The capital of Germany is', 'Water boils at a temperature of',
                    'Once upon a time, in a small village,')
@@ -70,10 +69,9 @@ def load_model(ckpt, device='cpu'):
         if os.path.isdir(ckpt) and not any(os.path.isfile(os.path.join(ckpt, n)) for n in ('manifest.json',
                                                                                            'config.json')):
             names = sorted(n for n in os.listdir(ckpt) if n.endswith(('.pt', '.safetensors')))
-            names = [n for n in CKPT_NAMES if n in names] or (names if len(names) == 1 else [])
-            if not names:
-                raise EvalError(f'--ckpt {ckpt}: no checkpoint file found (want ckpt.pt or one *.pt / *.safetensors, '
-                                'a convert.py folder with manifest.json, or a Hugging Face folder)')
+            names = ['ckpt.pt'] if 'ckpt.pt' in names else names
+            if len(names) != 1:
+                raise EvalError(f'--ckpt {ckpt}: want ckpt.pt or one *.pt / *.safetensors, or manifest.json')
             ckpt = os.path.join(ckpt, names[0])
         if os.path.isfile(manifest):
             with open(manifest) as f:
@@ -93,13 +91,15 @@ def load_model(ckpt, device='cpu'):
 
 def load(args, causal_for=None, tokenizer=True):
     """(model, extra, tokenizer) of --ckpt, the tokenizer the model's own or --tokenizer's (tokenizer.resolve);
-    causal_for: the report that needs a causal model."""
+    causal_for: the report that needs a causal model. --context must fit the model's block_size."""
     import tokenizer as T
     if not args.ckpt:
         raise EvalError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
     model, extra = load_model(args.ckpt, args.device)
     if causal_for and model.config.family == 'bert':
         raise EvalError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
+    if args.context > model.config.block_size:
+        raise EvalError(f'--context {args.context} > model block_size {model.config.block_size}')
     try:
         return model, extra, T.resolve(model, args.tokenizer) if tokenizer else None
     except (T.TokenizerError, OSError) as e:
@@ -113,13 +113,6 @@ def load_text(data):
         return train.load_text(data, 'test'), data
     except ValueError as e:
         raise EvalError(str(e))
-
-
-def context_length(args, model, default):
-    context = args.context or min(model.config.block_size, default)
-    if context > model.config.block_size:
-        raise EvalError(f'--context {context} > model block_size {model.config.block_size}')
-    return context
 
 
 def core_label(core):
@@ -206,7 +199,7 @@ def report_ppl(args):
     model, _, tok = load(args, 'ppl')
     text, source = load_text(args.data)
     ids = tok.encode(text)[:args.limit or None]
-    context, attn, t0 = context_length(args, model, 1024), describe_attention(model), time.time()
+    context, attn, t0 = args.context or min(model.config.block_size, 1024), describe_attention(model), time.time()
     log(f'tokenizer: {tok.name}; data: {source} ({len(ids):,} tokens); attention: {attn}')
     res = perplexity(model, ids, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
     res.update(ckpt=args.ckpt, data=source, tokenizer=tok.name, attn=attn, seconds=round(time.time() - t0, 2))
@@ -278,14 +271,12 @@ def load_summaries(data, limit=0):
         if bad:
             raise EvalError(f'{data}:{bad[0]}: each line needs "dialogue" and "summary" keys')
         return [(r['dialogue'], r['summary']) for _, r in rows][:limit or None], data
-    if data and (os.sep in data or data.endswith(('.jsonl', '.json'))):
-        raise EvalError(f'--data {data!r}: no such file (want a JSONL of {{"dialogue", "summary"}})')
     try:
         import datasets
         ds = datasets.load_dataset(data or 'samsum', split='test')
     except Exception as e:  # noqa: BLE001
-        raise EvalError(f'cannot load dataset {data or "samsum"} (test) with datasets ({type(e).__name__}); '
-                        'offline? pass --data FILE.jsonl')
+        raise EvalError(f'--data {data or "samsum"}: not a file, and datasets cannot load it ({type(e).__name__}); '
+                        'pass a JSONL of {"dialogue", "summary"}')
     return list(zip(ds['dialogue'], ds['summary']))[:limit or None], f'{data or "samsum"} (test)'
 
 
@@ -352,8 +343,7 @@ def generate_prompts(args, tok):
 
 @torch.no_grad()
 def report_generate(args):
-    """Greedy continuations by the model and, for a convert.py folder, by the softmax model it was converted from
-    (its manifest's base_model, without LoRA)."""
+    """Greedy continuations by the model and, for a convert.py folder, by its softmax base_model (without LoRA)."""
     model, _, tok = load(args, 'generate')
     runs, manifest = [(describe_attention(model), model)], os.path.join(args.ckpt, 'manifest.json')
     if any(c.kind != 'softmax' for c in model.attention_cores()) and os.path.isfile(manifest):
@@ -408,9 +398,9 @@ def parse_heads(s, n_layer, n_head):
     """--heads 'L:H,...' -> [(layer, head)] (at most 6) for the figures; default first and last layer, heads 0, 1."""
     if not s:
         return [(li, h) for li in sorted({0, n_layer - 1}) for h in range(min(2, n_head))]
-    pairs = [p.split(':') for p in s.split(',') if p.strip()]
-    if not pairs or not all(len(p) == 2 and p[0].isdigit() and p[1].isdigit() and int(p[0]) < n_layer
-                            and int(p[1]) < n_head for p in pairs):
+    pairs = [p.split(':') for p in s.split(',')]
+    if not all(len(p) == 2 and p[0].isdigit() and p[1].isdigit() and int(p[0]) < n_layer and int(p[1]) < n_head
+               for p in pairs):
         raise EvalError(f'--heads wants layer:head pairs, layers 0..{n_layer - 1}, heads 0..{n_head - 1}; got {s!r}')
     return [(int(li), int(h)) for li, h in pairs][:6]
 
@@ -460,7 +450,7 @@ def report_fidelity(args):
     specs = parse_maps(args.maps)
     model, _, tok = load(args)
     cfg, cores = model.config, model.attention_cores()
-    context, pairs = context_length(args, model, 128), parse_heads(args.heads, cfg.n_layer, cfg.n_head)
+    context, pairs = args.context or min(cfg.block_size, 128), parse_heads(args.heads, cfg.n_layer, cfg.n_head)
     text, source = load_text(args.data)
     ids = tok.encode(text)[:context * args.batch_size]
     idx = fidelity_windows(tok, ids, context, args.batch_size, bert=cfg.family == 'bert').to(args.device)
@@ -487,30 +477,18 @@ def report_fidelity(args):
     for s in summary.values():
         s.update({k[:-len('per_layer')] + 'mean': statistics.mean(v for v in per if v is not None)
                   for k, per in list(s.items())})
-    print_fidelity(summary)
-    return {'ckpt': args.ckpt, 'data': source, 'samples': len(idx), 'context': context, 'qk': args.qk,
-            'attn': describe_attention(model), 'maps': list(summary), 'summary': summary, 'layers': layers,
-            'figures': fidelity_figures(args.out_dir, qk, first, layers, pairs, cores) +
-            fidelity_entropy(args.out_dir, summary)}
-
-
-def print_fidelity(summary):
     log(f'{"map":32s} {"KL(softmax||map)":>16s} {"entropy":>9s} {"monotonicity":>12s}  (mean: layers, heads, rows)')
     for name, s in summary.items():
-        kl = f'{s["kl_mean"]:.4f}' if 'kl_mean' in s else '-'
-        log(f'{name:32s} {kl:>16s} {s["entropy_mean"]:9.3f} {s["monotonicity_mean"]:12.3f}')
-    log('per layer: KL(softmax||map) / entropy (nats), mean over heads')
-    for li, h in enumerate(summary['softmax']['entropy_per_layer']):
-        log(f'  layer {li}: softmax H {h:.3f}' + ''.join(
-            f'; {name.split(" (")[0]} {s["kl_per_layer"][li]:.3f} / {s["entropy_per_layer"][li]:.3f}'
-            for name, s in summary.items() if name != 'softmax' and s['kl_per_layer'][li] is not None))
+        log(f'{name:32s} {s.get("kl_mean", math.nan):16.4f} {s["entropy_mean"]:9.3f} {s["monotonicity_mean"]:12.3f}')
+    return {'ckpt': args.ckpt, 'data': source, 'samples': len(idx), 'context': context, 'qk': args.qk,
+            'attn': describe_attention(model), 'maps': list(summary), 'summary': summary, 'layers': layers,
+            'figures': fidelity_figures(args.out_dir, qk, first, layers, summary, pairs, cores)}
 
 
 def _matplotlib():
     try:
-        import matplotlib
-        matplotlib.use('Agg')
         import matplotlib.pyplot as plt
+        plt.switch_backend('Agg')
         return plt
     except ImportError:
         log('matplotlib not installed: no figures (the numbers are in the JSON)')
@@ -550,13 +528,22 @@ def line_plots(panels, title, ncols=None):
     return fig, list(axes.flat)
 
 
-def fidelity_figures(out_dir, qk, weights, layers, pairs, cores):
+def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     """Heatmaps, softmax next to each map on the (layer, head) pairs, first FIG_TOKENS tokens of sample 0
     (Hedgehog Fig. 7/9); weight against q.k/sqrt(d) on the first pair's last SCATTER_ROWS query rows, which see
-    about T keys each so their weights are comparable (Hedgehog Fig. 3; rho = monotonicity over all rows)."""
+    about T keys each so their weights are comparable (Hedgehog Fig. 3; rho = monotonicity over all rows);
+    entropy and KL(softmax || map) per layer, mean over heads."""
     plt = _matplotlib()
     if plt is None:
         return []
+    panels = []
+    for key, title, yscale in (('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
+                               ('kl_per_layer', 'KL(softmax || map) per layer', 'log')):
+        series = {name: list(zip(*[(li, max(v, 1e-8)) for li, v in enumerate(s[key]) if v is not None]))
+                  for name, s in summary.items() if key in s}
+        panels.append({'series': series, 'title': title, 'xlabel': 'layer', 'yscale': yscale,
+                       'xticks': range(len(layers))})
+    files = [_save_figure(line_plots(panels, 'attention entropy and KL per layer')[0], out_dir, 'fidelity_entropy.png')]
     from matplotlib.colors import PowerNorm
     names = list(dict.fromkeys(n for li, _ in pairs for n in weights[li]))
     T = min(FIG_TOKENS, weights[0]['softmax'].shape[-1])
@@ -573,7 +560,7 @@ def fidelity_figures(out_dir, qk, weights, layers, pairs, cores):
         ax.set_xlabel('' if name == 'softmax' else f'KL {layers[li]["heads"][h]["maps"][name]["kl"]:.3f}', fontsize=7)
     fig.suptitle(f'attention weights, first {T} tokens of sample 0 (colour: sqrt scale, shared per row); '
                  f'KL(softmax || map) of the head over all rows and samples', fontsize=9)
-    files = [_save_figure(fig, out_dir, 'fidelity_heatmaps.png')]
+    files.append(_save_figure(fig, out_dir, 'fidelity_heatmaps.png'))
     (li, h), causal = pairs[0], cores[pairs[0][0]].causal
     q, k = qk[li][0][:1, h:h + 1], qk[li][1][:1, h:h + 1]                     # (1, 1, T, D)
     T = q.shape[-2]
@@ -590,19 +577,6 @@ def fidelity_figures(out_dir, qk, weights, layers, pairs, cores):
     axes[0][0].set_ylabel('attention weight', fontsize=8)
     fig.suptitle(f'weight vs q.k, layer {li} head {h}, last {len(rows)} query rows', fontsize=9)
     return files + [_save_figure(fig, out_dir, 'fidelity_scatter.png')]
-
-
-def fidelity_entropy(out_dir, summary):
-    """Entropy and KL(softmax || map) per layer, mean over heads."""
-    panels = []
-    for key, title, yscale in (('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
-                               ('kl_per_layer', 'KL(softmax || map) per layer', 'log')):
-        series = {name: list(zip(*[(li, max(v, 1e-8)) for li, v in enumerate(s[key]) if v is not None]))
-                  for name, s in summary.items() if key in s}
-        panels.append({'series': series, 'title': title, 'xlabel': 'layer', 'yscale': yscale,
-                       'xticks': range(len(summary['softmax']['entropy_per_layer']))})
-    fig, _ = line_plots(panels, 'attention entropy and KL per layer')
-    return [_save_figure(fig, out_dir, 'fidelity_entropy.png')] if fig else []
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -652,40 +626,31 @@ def report_lln(args):
     log(f'LLN Fig. 2 on Gaussian q, k: head_dim {D}, {T} tokens, bidirectional, {n} sequences; sigma^2 = sigma_q^2 '
         f'sigma_k^2 with sigma_q^2 = sigma_k^2; moment-matching fit a s~^2 + b: a = {a:.4f} b = {b:+.4f} '
         '(published for D = 64: a = 0.1486 b = -0.3549)')
-    for key, title in (('entropy_bits', 'row entropy (bits)'), ('spectral_gap', 'spectral gap 1 - |lambda_2|')):
+    for key, title in LLN_CURVES:
         log(f'{title}, mean over {n} sequences\n{"sigma^2":>8s} ' + ' '.join(f'{lab:>11s}' for lab in curves))
         for i, s2 in enumerate(grid):
             log(f'{s2:8.3g} ' + ' '.join(f'{d[key][i]:11.3f}' for d in curves.values()))
-    log('LLN alpha = beta per sigma^2: ' + '; '.join(
-        f'{lab} ' + ' '.join(f'{x:.2f}' for x in d['alpha']) for lab, d in curves.items() if 'alpha' in d))
     log('max |entropy - softmax entropy| over sigma^2 in [1, 4] (bits): ' + ', '.join(
         f'{lab} {e:.2f}' for lab, e in err.items() if e is not None))
-    return {'head_dim': D, 'tokens': T, 'seeds': n, 'seed': 0, 'grid_sigma2': grid, 'fits': {'paper': {'a': a, 'b': b}},
-            'curves': curves, 'max_entropy_error_1_4': err, 'figures': lln_figure(args.out_dir, grid, curves, D, T)}
-
-
-def lln_figure(out_dir, grid, curves, head_dim, tokens):
     fig, axes = line_plots([{'series': {lab: (grid, d[key]) for lab, d in curves.items()}, 'ylabel': ylabel,
-                             'xlabel': 'temperature sigma^2 = sigma_q^2 sigma_k^2'} for key, ylabel in (
-        ('entropy_bits', 'row entropy (bits)'), ('spectral_gap', 'spectral gap 1 - |lambda_2|'))],
-        f'LLN Fig. 2 on Gaussian q, k (head_dim {head_dim}, {tokens} tokens, bidirectional)')
-    if fig is None:
-        return []
-    for ax in axes:
+                             'xlabel': 'temperature sigma^2 = sigma_q^2 sigma_k^2'} for key, ylabel in LLN_CURVES],
+                           f'LLN Fig. 2 on Gaussian q, k (head_dim {D}, {T} tokens, bidirectional)')
+    for ax in axes or []:
         ax.axvspan(1, 4, color='0.92', zorder=0)
         for line in ax.lines:                       # the baselines dashed
             line.set_linestyle('--' if line.get_label() in ('elu', 'relu') else '-')
         ax.legend(fontsize=7)
-    return [_save_figure(fig, out_dir, 'lln.png')]
+    return {'head_dim': D, 'tokens': T, 'seeds': n, 'seed': 0, 'grid_sigma2': grid, 'fits': {'paper': {'a': a, 'b': b}},
+            'curves': curves, 'max_entropy_error_1_4': err,
+            'figures': [_save_figure(fig, args.out_dir, 'lln.png')] if fig else []}
 
 
 # -----------------------------------------------------------------------------------------------------------
 # benchmarks
 
 def timed(fn, number=0):
-    """Seconds per call of fn() by torch.utils.benchmark.Timer (CUDA synchronised) with the process's torch threads
-    (OMP_NUM_THREADS): the median over blocked_autorange (which warms up first), or with `number` the mean of
-    `number` calls after 2 warm-up calls (Timer.timeit)."""
+    """Seconds per call of fn() by torch.utils.benchmark.Timer (CUDA synchronised, the process's torch threads): the
+    median over blocked_autorange (which warms up), or the mean of `number` calls after 2 warm-up (Timer.timeit)."""
     t = benchmark.Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads())
     return t.timeit(number).mean if number else t.blocked_autorange(min_run_time=0.2).median
 
@@ -813,27 +778,13 @@ def bench_markdown(res):
     return '\n'.join(out)
 
 
-def bench_plot(res, out_dir):
-    """Per part, time (top row) and memory (bottom row) against length, log-log, a line per map."""
-    parts, panels = [p for p in BENCH_TABLES if res.get(p)], []
-    for row, p in itertools.product((0, 1), parts):
-        x, y = BENCH_TABLES[p][0], BENCH_TABLES[p][1][row]
-        series = {a: ([r[x] for r in res[p] if r['attn'] == a],
-                      [max(r[y] or 0, 1e-3) for r in res[p] if r['attn'] == a])
-                  for a in dict.fromkeys(r['attn'] for r in res[p])}
-        panels.append({'series': series, 'title': f'{p}: {y}', 'xlabel': x, 'xscale': 'log', 'yscale': 'log'})
-    fig, _ = line_plots(panels, f'{res["config"]["device_name"]}, torch {torch.__version__}', ncols=len(parts))
-    return _save_figure(fig, out_dir, 'bench.png') if fig else None
-
-
 def report_bench(args):
     """--bench attention,prefill,decode (or all) of --maps (default elu) against softmax at the --sweep lengths."""
     parts = [w.strip() for w in args.bench.split(',') if w.strip()]
     if not parts or not set(parts) <= set(BENCH_SWEEPS) | {'all'}:
-        raise EvalError(f'--bench {args.bench!r}: choose from {", ".join(BENCH_SWEEPS)}, all (or a comma-separated '
-                        'list)')
+        raise EvalError(f'--bench {args.bench!r}: choose from {", ".join([*BENCH_SWEEPS, "all"])}, comma-separated')
     specs, cuda, n = parse_maps(args.maps or 'elu'), torch.device(args.device).type == 'cuda', torch.get_num_threads()
-    cfg = {'device': args.device, 'torch': torch.__version__, 'threads': n, 'maps': [s[0] for s in specs],
+    cfg = {'threads': n, 'maps': [s[0] for s in specs],
            'device_name': torch.cuda.get_device_name() if cuda else f'{os.cpu_count()}-core CPU ({n} torch threads)',
            'memory': 'cuda max_memory_allocated' if cuda else 'VmHWM - VmRSS (clear_refs)',
            'decode_model': f'gpt2-style, 1 layer, 2 heads of 64, vocab 256; greedy, mean of {DECODE_STEPS} steps '
@@ -847,10 +798,8 @@ def report_bench(args):
             continue
         if args.ckpt:   # a real checkpoint: its own attention against its softmax teacher (KV cache)
             model, _, _ = load(args, 'bench decode', tokenizer=False)
-            c = model.config
-            cfg['decode_model'] = (f'{args.ckpt}: {c.family}, {c.n_layer} layers, {c.n_head} heads ({c.n_kv_head} KV '
-                                   f'heads) of {c.head_dim}, {model.get_num_params() / 1e6:.1f}M parameters, vs its '
-                                   f'softmax teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
+            cfg['decode_model'] = (f'{args.ckpt}, {model.get_num_params() / 1e6:.1f}M parameters, vs its softmax '
+                                   f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
         res['decode'] = bench_decode(lengths, specs, args.device, model)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
     os.makedirs(args.out_dir, exist_ok=True)
@@ -858,7 +807,15 @@ def report_bench(args):
         f.write(f'{cfg["device_name"]}, torch {torch.__version__}; memory: {cfg["memory"]}; load average at the '
                 f'start {cfg["loadavg"]}\n\n{md}\n')
     log(md)
-    res['figure'] = bench_plot(res, args.out_dir)
+    panels = []   # per part, time (top row) and memory (bottom row) against length, log-log, a line per map
+    for row, p in itertools.product((0, 1), [p for p in BENCH_TABLES if res.get(p)]):
+        x, y = BENCH_TABLES[p][0], BENCH_TABLES[p][1][row]
+        series = {a: ([r[x] for r in res[p] if r['attn'] == a],
+                      [max(r[y] or 0, 1e-3) for r in res[p] if r['attn'] == a])
+                  for a in dict.fromkeys(r['attn'] for r in res[p])}
+        panels.append({'series': series, 'title': f'{p}: {y}', 'xlabel': x, 'xscale': 'log', 'yscale': 'log'})
+    fig, _ = line_plots(panels, f'{cfg["device_name"]}, torch {torch.__version__}', ncols=len(panels) // 2)
+    res['figure'] = _save_figure(fig, args.out_dir, 'bench.png') if fig else None
     return res
 
 
@@ -868,12 +825,6 @@ def report_bench(args):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f'{self.prog}: error: {message}\n')
-
-
-def _count(s):
-    if not s.isdigit():
-        raise argparse.ArgumentTypeError(f'wants an integer >= 0, got {s!r}')
-    return int(s)
 
 
 def build_parser():
@@ -895,15 +846,15 @@ def build_parser():
     p.add_argument('--data', help='input data (see each report)')
     p.add_argument('--out_dir', default='out/eval', help='where JSON (and PNG) results go')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--batch_size', type=_count, default=8, help='sequences per forward pass: ppl windows, GLUE '
+    p.add_argument('--batch_size', type=int, default=8, help='sequences per forward pass: ppl windows, GLUE '
                    'examples, fidelity samples, lln sequences')
-    p.add_argument('--context', type=_count, default=0, help='tokens per window (0 = default): ppl min(block_size, '
+    p.add_argument('--context', type=int, default=0, help='tokens per window (0 = default): ppl min(block_size, '
                    '1024), fidelity min(block_size, 128), lln 256; generate: prompts of N tokens cut from --data '
                    '(0: one prompt per line)')
-    p.add_argument('--stride', type=_count, default=0, help='ppl stride (0 = context // 2)')
-    p.add_argument('--limit', type=_count, default=0, help='only the first N: ppl tokens, GLUE/ROUGE examples, '
+    p.add_argument('--stride', type=int, default=0, help='ppl stride (0 = context // 2)')
+    p.add_argument('--limit', type=int, default=0, help='only the first N: ppl tokens, GLUE/ROUGE examples, '
                    'generate prompts (with --context: N passages, default 3); 0 = all')
-    p.add_argument('--max_new_tokens', type=_count, default=64, help='rouge, generate')
+    p.add_argument('--max_new_tokens', type=int, default=64, help='rouge, generate')
     p.add_argument('--prompt', action='append', help='generate: a prompt (repeat the flag for several)')
     p.add_argument('--maps', default='', help='fidelity: maps compared with softmax (default for a softmax model: '
                    'elu,performer,cosformer,taylor,hedgehog); bench: maps timed against softmax (default elu). '
@@ -927,8 +878,8 @@ def main(argv=None):
         return 2
     torch.manual_seed(0)
     try:
-        if args.batch_size < 1:
-            raise EvalError('--batch_size must be >= 1')
+        if min(args.batch_size - 1, args.context, args.stride, args.limit, args.max_new_tokens) < 0:
+            raise EvalError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
         res = {'report': chosen[0], **globals()['report_' + chosen[0]](args)}
     except EvalError as e:
         print(f'eval.py: error: {e}', file=sys.stderr)
