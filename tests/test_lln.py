@@ -97,8 +97,7 @@ def test_match_reaches_the_map_from_train_and_checkpoints(tmp_path):
 
 def test_eval_lln_report_tiny(tmp_path, capsys):
     out = str(tmp_path / 'lln')
-    rc = E.main(['--lln', '--lln_head_dim', str(D), '--lln_tokens', '32', '--lln_grid', '1,4', '--lln_seeds', '2',
-                 '--out_dir', out])
+    rc = E.main(['--lln', '--context', '32', '--sweep', '1,4', '--batch_size', '2', '--out_dir', out])
     assert rc == 0
     with open(f'{out}/lln.json') as f:
         res = json.load(f)
@@ -112,9 +111,9 @@ def test_eval_lln_report_tiny(tmp_path, capsys):
     assert 'row entropy (bits)' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize('argv, msg', [(['--lln_grid', '1,x'], 'comma-separated numbers'),
-                                       (['--lln_grid', '0,1'], 'positive numbers'),
-                                       (['--lln_tokens', '1'], '--lln_tokens >= 2')])
+@pytest.mark.parametrize('argv, msg', [(['--sweep', '1,x'], 'comma-separated numbers'),
+                                       (['--sweep', '0,1'], 'positive numbers'),
+                                       (['--context', '1'], '--context >= 2')])
 def test_eval_lln_bad_input(tmp_path, capsys, argv, msg):
     assert E.main(['--lln', '--out_dir', str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
