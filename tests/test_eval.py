@@ -316,7 +316,7 @@ def test_fidelity_calibrates_lln(tmp_path):
     m, _ = _tiny_gpt(tmp_path)
     res, _ = _fidelity_of(tmp_path, m, ['--maps', 'lln,elu', '--batch_size', '4'])
     assert res['maps'] == ['softmax', 'lln (calibrated)', 'elu (untrained)']
-    tok = train.get_tokenizer(verbose=False)
+    tok = tokenizer.load_tokenizer('bytes')
     q, k = ev.capture_qk(m, torch.tensor(tok.encode(TEXT)[:64]).view(4, 16))[1]     # layer 1
     calibrated, raw = attention.Attention('lln', 16, 2), attention.Attention('lln', 16, 2)
     calibrated.fmap.calibrate(q, k)
