@@ -383,13 +383,13 @@ def parse_list(s, what, kind=int):
 
 
 def parse_maps(s):
-    """--maps 'elu,exp:t=2' -> [(label, name, options)]: options as train.py takes them, the label as written."""
+    """--maps 'elu,exp:t=2' -> [(label, attention.AttnSpec)], the label as written."""
     specs = [m.strip() for m in (s or '').split(',') if m.strip()]
     bad = [m for m in specs if m.partition(':')[0] not in attention.FEATURE_MAPS]
     if bad:
         raise EvalError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
     try:
-        return [(spec, *train.parse_attn_spec(spec)) for spec in specs]
+        return [(spec, attention.AttnSpec.parse(spec)) for spec in specs]
     except ValueError as e:
         raise EvalError(f'--maps {s!r}: {e}')
 
@@ -421,10 +421,9 @@ def fidelity_windows(tok, ids, context, n_samples, bert=False):
 def compared_maps(specs, cfg, q, k, causal):
     """{label: weights fn} of the --maps on one layer's q, k (B, H, T, D). A map with data-dependent statistics
     (LLN's sigma_q^2, sigma_k^2) is calibrated on these q, k first, as convert.py does before stage 1."""
-    import model as M
     fns = {}
-    for label, name, opts in specs:
-        core = attention.Attention(name, q.shape[-1], q.shape[1], causal=causal, **M.map_options(cfg, name, opts))
+    for label, spec in specs:
+        core = attention.Attention(spec, q.shape[-1], q.shape[1], causal=causal, max_len=cfg.block_size)
         calibrated = hasattr(core.fmap, 'calibrate')
         if calibrated:
             core.fmap.calibrate(q, k)
@@ -601,7 +600,7 @@ def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
     res = {label: {} for label, _, _ in LLN_FIG2_METHODS}
     for s2, (label, name, opts) in itertools.product(grid, LLN_FIG2_METHODS):
         q, k = q0 * s2 ** 0.25, k0 * s2 ** 0.25
-        core = attention.Attention(name, head_dim, 1, causal=False, **opts)
+        core = attention.Attention(attention.AttnSpec(name, options=opts), head_dim, 1, causal=False)
         if name == 'lln':
             core.fmap.calibrate(q, k)
             res[label].setdefault('alpha', []).append(core.fmap.alpha_beta()[0].item())
@@ -619,7 +618,7 @@ def report_lln(args):
     grid, D, T, n = parse_list(args.sweep or LLN_GRID, 'sweep', float), 64, args.context or 256, args.batch_size
     if T < 2:
         raise EvalError(f'--lln wants --context >= 2 tokens, got {T}')
-    (a, b), curves = attention.lln_fit(D, 'paper'), lln_fig2(D, T, grid, n)
+    (a, b), curves = attention.lln_fit(D), lln_fig2(D, T, grid, n)
     ref, near = curves['softmax']['entropy_bits'], [i for i, s2 in enumerate(grid) if 1 <= s2 <= 4]
     err = {lab: max((abs(d['entropy_bits'][i] - ref[i]) for i in near), default=None)
            for lab, d in curves.items() if lab != 'softmax'}
@@ -691,7 +690,9 @@ def bench_model(spec, block_size, n_layer, n_head, n_embd, device):
     import model as M
     torch.manual_seed(0)
     return M.GPT(M.GPTConfig(family='gpt2', vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd, attn=spec[1], attn_options=spec[2])).to(device).eval()
+                             n_embd=n_embd, attn=spec[1].name, window=spec[1].window,
+                             window_combine=spec[1].combine, diag_block=spec[1].diag_block, impl=spec[1].impl,
+                             attn_options=dict(spec[1].options))).to(device).eval()
 
 
 @torch.no_grad()
@@ -700,8 +701,8 @@ def bench_forward(part, lengths, specs, device):
     chunked (the Triton kernel on CUDA); 'prefill': one forward of T tokens through a random 2-layer gpt2-style
     model (12 heads, n_embd 768). Median ms (Timer) and peak extra memory, per map and length."""
     rows, dtype = [], torch.float16 if torch.device(device).type == 'cuda' else torch.float32
-    for spec in [('softmax', 'softmax', {})] + specs:
-        m = attention.Attention(spec[1], 64, 12, **spec[2]).to(device) if part == 'attention' else \
+    for spec in [('softmax', attention.AttnSpec())] + specs:
+        m = attention.Attention(spec[1], 64, 12).to(device) if part == 'attention' else \
             bench_model(spec, max(lengths), 2, 12, 768, device)
         for T in lengths:
             if part == 'prefill':
@@ -709,7 +710,7 @@ def bench_forward(part, lengths, specs, device):
                 fn = lambda: m(idx)  # noqa: E731
             else:
                 q, k, v = torch.randn(3, 1, 12, T, 64, device=device, dtype=dtype).unbind(0)
-                fn = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)) if spec[1] == 'softmax' \
+                fn = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)) if spec[1].name == 'softmax' \
                     else (lambda: m(q, k, v))
             rows.append({'T': T, 'attn': spec[0], 'peak_mb': peak_memory_mb(fn, device), 'ms': timed(fn) * 1e3})
             log(f'  {part} T={T:6d} {spec[0]:12s} {rows[-1]["ms"]:9.2f} ms  peak +{rows[-1]["peak_mb"] or 0:8.1f} MB')
@@ -724,7 +725,7 @@ def bench_decode(lengths, specs, device, model=None):
     (exact) and the process RSS. Random 1-layer gpt2-style models (2 heads of 64) of softmax and each map; with
     `model` (a checkpoint) its own attention against its softmax teacher (every core in teacher mode: KV cache)."""
     rows = []
-    for spec in [('softmax', 'softmax', {})] + (specs if model is None else [(describe_attention(model),)]):
+    for spec in [('softmax', attention.AttnSpec())] + (specs if model is None else [(describe_attention(model),)]):
         m = model if model is not None else bench_model(spec, max(lengths) + 1, 1, 2, 128, device)
         for c in m.attention_cores():
             c.teacher = model is not None and spec[0] == 'softmax'
