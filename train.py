@@ -622,7 +622,7 @@ def mean_attention_entropy(model, x, query_positions=None, batch_size=64):
         for i in range(0, len(x), batch_size):
             captured.clear()
             model(x[i:i + batch_size])
-            for core, q, k in captured:
+            for core, q, k in list(captured):   # (weights() calls the core: its own hook appends)
                 ent = attention.attention_entropy(core.weights(q, k))                # (B, H, T)
                 tot += ent.sum().item()
                 n += ent.numel()
