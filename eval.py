@@ -58,35 +58,16 @@ def log(*a):
 
 
 # -----------------------------------------------------------------------------------------------------------
-# loading (model.load and model.capture_qkv are to replace load_model and capture_qk)
+# loading
 
 def load_model(ckpt, device='cpu'):
-    """(model, extra) from our checkpoint file or a folder holding one (train.py's out_dir), a converted folder
-    (manifest.json: convert.py, model.save_new_parameters), a Hugging Face folder or hub name, a .gguf file."""
+    """(model, extra) by model.load, its error in one line."""
     import model as M
-    extra, manifest = {}, os.path.join(ckpt, 'manifest.json')
     try:
-        if os.path.isdir(ckpt) and not any(os.path.isfile(os.path.join(ckpt, n)) for n in ('manifest.json',
-                                                                                           'config.json')):
-            names = sorted(n for n in os.listdir(ckpt) if n.endswith(('.pt', '.safetensors')))
-            names = ['ckpt.pt'] if 'ckpt.pt' in names else names
-            if len(names) != 1:
-                raise EvalError(f'--ckpt {ckpt}: want ckpt.pt or one *.pt / *.safetensors, or manifest.json')
-            ckpt = os.path.join(ckpt, names[0])
-        if os.path.isfile(manifest):
-            with open(manifest) as f:
-                own = json.load(f).get('format') == M.CHECKPOINT_FORMAT
-            import convert
-            m = M.load_new_parameters(ckpt) if own else convert.load_converted(ckpt, device)
-        elif os.path.isfile(ckpt) and not ckpt.endswith('.gguf'):
-            m, extra = M.load_checkpoint(ckpt)
-        else:
-            m = M.GPT.from_pretrained(ckpt)
-    except EvalError:
-        raise
+        m, extra = M.load(ckpt)
     except Exception as e:  # noqa: BLE001 - one line for the user, whatever the loader raised
         raise EvalError(f'cannot load --ckpt {ckpt!r}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}')
-    return m.to(device).eval(), extra or {}
+    return m.to(device).eval(), extra
 
 
 def load(args, causal_for=None, tokenizer=True):
@@ -115,39 +96,18 @@ def load_text(data):
         raise EvalError(str(e))
 
 
-def core_label(core):
-    """'softmax', 'hedgehog', 'hedgehog+window64', 'lln+diag16'."""
-    return core.attn + ''.join(f'+{k}{getattr(core, a)}' for a, k in (('window', 'window'), ('diag_block', 'diag'))
-                               if getattr(core, a, 0))
-
-
 def describe_attention(model):
     """One label, or per-layer labels where the layers differ (a partial conversion)."""
-    labels = [core_label(c) for c in model.attention_cores()]
+    labels = [str(c.spec) for c in model.attention_cores()]
     return labels[0] if len(set(labels)) == 1 else ', '.join(f'L{i}:{a}' for i, a in enumerate(labels))
 
 
 @torch.no_grad()
 def capture_qk(model, idx, teacher=False):
-    """[(q, k)] per layer, float on the CPU: what each attention core receives on idx (after RoPE, GQA repeated).
-    teacher=True: from the softmax teacher's pass (every core in teacher mode), as convert.py measures a layer."""
-    cores, store, hooks = model.attention_cores(), {}, []
-    modes = [c.teacher for c in cores]
-    for i, core in enumerate(cores):
-        core.teacher = modes[i] or teacher
-
-        def pre(mod, args, kwargs, i=i):
-            q = args[0] if len(args) > 0 else kwargs['q']
-            k = args[1] if len(args) > 1 else kwargs['k']
-            store[i] = (q.detach().float().cpu(), k.detach().float().cpu())
-        hooks.append(core.register_forward_pre_hook(pre, with_kwargs=True))
-    try:
+    """[(q, k)] per layer, float on the CPU (model.capture_qkv); teacher=True: the softmax teacher's pass."""
+    with model.capture_qkv(teacher=teacher) as rec:
         model.encode(idx) if model.config.family == 'bert' else model(idx)
-    finally:
-        for h, core, mode in zip(hooks, cores, modes):
-            h.remove()
-            core.teacher = mode
-    return [store[i] for i in sorted(store)]
+    return [(rec[i][0].float().cpu(), rec[i][1].float().cpu()) for i in sorted(rec)]
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -344,12 +304,10 @@ def generate_prompts(args, tok):
 @torch.no_grad()
 def report_generate(args):
     """Greedy continuations by the model and, for a convert.py folder, by its softmax base_model (without LoRA)."""
-    model, _, tok = load(args, 'generate')
-    runs, manifest = [(describe_attention(model), model)], os.path.join(args.ckpt, 'manifest.json')
-    if any(c.kind != 'softmax' for c in model.attention_cores()) and os.path.isfile(manifest):
-        with open(manifest) as f:
-            base = json.load(f).get('base_model')
-        runs += [('softmax teacher', load_model(base, args.device)[0])] if base else []
+    model, extra, tok = load(args, 'generate')
+    runs, base = [(describe_attention(model), model)], extra.get('base')   # a convert.py checkpoint names its base
+    if any(c.kind != 'softmax' for c in model.attention_cores()) and base:
+        runs += [('softmax teacher', load_model(base, args.device)[0])]
     log(f'tokenizer: {tok.name}; greedy, {args.max_new_tokens} new tokens (stop at EOS {tok.eos_id}); '
         f'{" vs ".join(n for n, _ in runs)}')
     rows = []
@@ -453,7 +411,7 @@ def report_fidelity(args):
     text, source = load_text(args.data)
     ids = tok.encode(text)[:context * args.batch_size]
     idx = fidelity_windows(tok, ids, context, args.batch_size, bert=cfg.family == 'bert').to(args.device)
-    if not specs and all(c.attn == 'softmax' for c in cores):
+    if not specs and all(c.spec.name == 'softmax' for c in cores):
         specs = parse_maps('elu,performer,cosformer,taylor,hedgehog')
     log(f'tokenizer: {tok.name}; data: {source}; {len(idx)} x {context} tokens; model attention: '
         f'{describe_attention(model)}; q, k from the {args.qk}; compared: {", ".join(s[0] for s in specs) or "-"}')
@@ -461,11 +419,11 @@ def report_fidelity(args):
     torch.manual_seed(0)
     layers, summary, first = [], {}, []
     for li, (core, (q, k)) in enumerate(zip(cores, qk)):
-        own = {} if core.attn == 'softmax' else {f'{core_label(core)} (model)': lambda q_, k_, c=core: c.weights(
+        own = {} if core.spec.name == 'softmax' else {f'{core.spec} (model)': lambda q_, k_, c=core: c.weights(
             q_.to(args.device), k_.to(args.device)).cpu()}
         stats, weights = fidelity_stats(q, k, {**own, **compared_maps(specs, cfg, q, k, core.causal)}, core.causal)
         per_head = {n: {m: v.tolist() for m, v in s.items()} for n, s in stats.items()}
-        layers.append({'layer': li, 'attn': core.attn, 'heads': [
+        layers.append({'layer': li, 'attn': str(core.spec), 'heads': [
             {'head': h, 'softmax': {m: v[h] for m, v in per_head['softmax'].items()},
              'maps': {n: {m: v[h] for m, v in s.items()} for n, s in per_head.items() if n != 'softmax'}}
             for h in range(q.shape[1])]})
@@ -690,9 +648,7 @@ def bench_model(spec, block_size, n_layer, n_head, n_embd, device):
     import model as M
     torch.manual_seed(0)
     return M.GPT(M.GPTConfig(family='gpt2', vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd, attn=spec[1].name, window=spec[1].window,
-                             window_combine=spec[1].combine, diag_block=spec[1].diag_block, impl=spec[1].impl,
-                             attn_options=dict(spec[1].options))).to(device).eval()
+                             n_embd=n_embd, attn=str(spec[1]))).to(device).eval()
 
 
 @torch.no_grad()

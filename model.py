@@ -1,107 +1,86 @@
 """
-One transformer covering the three model families the linear-attention papers convert:
+One transformer for the three model families the linear-attention papers convert, and every way to load it.
 
+In reading order:
+  GPTConfig        one dataclass: the family switch, sizes, and the attention as one value (attention.AttnSpec)
+  building blocks  RMSNorm, RoPE, ShortConv (a causal conv on the keys), LoRALinear, SelfAttention, MLP, Block
+  GPT              forward / encode / classify, set_attention, capture_qkv, configure_optimizers, generate
+  load / save      one loader for every format: our ckpt.pt (train.py and convert.py write it), a HuggingFace
+                   folder or hub name, a llama.cpp .gguf file; one atomic save
+  HF / GGUF        the key maps and config translations behind load
+
+The families, as a config switch rather than three copies of the code:
 - GPT-2: learned positions, pre-LayerNorm, GELU (tanh) MLP, tied embeddings, causal;
-- Llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, untied head, causal;
-- BERT:  learned positions + token types, post-LayerNorm, GELU (exact) MLP, bidirectional,
-         pooler + optional sequence-classification head.
-
-The family is a config switch (`GPTConfig.family`), not three copies of the code. Every layer's
-attention core is an `attention.Attention` chosen by `config.attn` (softmax or any linear feature
-map, plus the sliding-window and block-diagonal hybrids). Feature maps see queries and keys after
-RoPE, one map per query head (GQA keys/values are repeated to n_head before the core). An optional
-short causal convolution on the keys (`short_conv`, H3 / Based) gives scratch-trained linear attention
-the previous token (see the README on associative recall).
-
-Also here: loading HuggingFace checkpoints (`GPT.from_pretrained`), generation with a KV cache
-(softmax) or a constant-size recurrent state (linear maps, window hybrid), our own checkpoints
-(`save_checkpoint` / `load_checkpoint`) and partial "new parameters only" checkpoints
-(`save_new_parameters` / `load_new_parameters`). All files are written atomically.
+- Llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention (GQA), untied head, causal;
+- BERT:  learned positions + token types, post-LayerNorm, GELU (exact) MLP, bidirectional, pooler + classifier.
+Every layer's attention is an `attention.Attention` core built from a spec string such as 'softmax',
+'hedgehog:feature_dim=64' or 'lolcats:window=64' (config.attn; config.layer_attn overrides single layers).
+Feature maps see queries and keys after RoPE, one map per query head.
 """
 
-import glob
-import inspect
+import contextlib
 import json
 import math
 import os
-import pickle
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 import tokenizer as tokenizer_lib
-from attention import ATTN_CHOICES, Attention, AttnSpec, state_nbytes
+from attention import Attention, AttnSpec, state_nbytes
 
 FAMILIES = ('gpt2', 'llama', 'bert')
-CHECKPOINT_FORMAT = 'linear-attn-gpt/1'
 
 
 @dataclass
 class GPTConfig:
     family: str = 'gpt2'        # 'gpt2' | 'llama' | 'bert'
     vocab_size: int = 50304
-    block_size: int = 1024      # max positions (learned positions for gpt2/bert; cosformer's max_len)
+    block_size: int = 1024      # max positions (learned positions for gpt2/bert; cosformer's M)
     n_layer: int = 12
     n_head: int = 12
     n_kv_head: int | None = None   # GQA (llama); None = n_head
     n_embd: int = 768
-    intermediate_size: int | None = None  # MLP hidden; None = 4 * n_embd
+    intermediate_size: int | None = None  # MLP hidden size; None = 4 * n_embd
     dropout: float = 0.0
     bias: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_scaling: rope_type 'linear' or 'llama3' (None = plain RoPE)
     tie_embeddings: bool = True
-    type_vocab_size: int = 2     # bert
-    num_labels: int = 0          # bert classification head (0 = none)
-    attn: str = 'softmax'
-    window: int = 0
-    diag_block: int = 0
-    window_combine: str = 'joint'  # window hybrid: 'joint' (one normalisation) or 'mix' (LoLCATs workshop Eq. 8)
-    impl: str = 'chunked'
-    attn_options: dict = field(default_factory=dict)  # feature-map options, e.g. {'feature_dim': 64}
-    # Llama RoPE scaling as in HF `rope_parameters` / `rope_scaling` (None = plain RoPE);
-    # supported rope_type: 'default', 'linear', 'llama3'. (Addition to the interface contract.)
-    rope_scaling: dict | None = None
-    # initialisation of a model trained from scratch: N(0, init_std) Linear weights (residual output projections
-    # scaled by 1/sqrt(2 n_layer)) and N(0, emb_init_std) embeddings; nanoGPT's 0.02 by default. Tiny models may
-    # want larger values (see the associative-recall notes in the README)
-    init_std: float = 0.02
-    emb_init_std: float = 0.02
-    # > 0: a causal depthwise convolution of this many taps on the keys, before RoPE and the feature map
-    # (H3's shift on K; Based's short convolution), identity-initialised. Gives linear attention the
-    # previous token that a softmax head finds by position (see the README on associative recall)
-    short_conv: int = 0
+    type_vocab_size: int = 2    # bert
+    num_labels: int = 0         # bert classification head (0 = none)
+    attn: str = 'softmax'       # every layer's attention, an attention.AttnSpec string
+    layer_attn: dict = field(default_factory=dict)  # {layer: spec string}: layers that differ from `attn`
+    lora: dict | None = None    # {'rank', 'alpha', 'targets'}: LoRA adapters on these Linear modules (convert.py)
+    init_std: float = 0.02      # scratch init: N(0, init_std) Linear weights, residual projections / sqrt(2 n_layer)
+    emb_init_std: float = 0.02  # scratch init: N(0, emb_init_std) embeddings
+    short_conv: int = 0         # > 0: taps of a causal depthwise conv on the keys (H3's shift, Based's short conv)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"unknown family {self.family!r}; choose one of {list(FAMILIES)}")
-        if self.attn not in ATTN_CHOICES:
-            raise ValueError(f"unknown attn {self.attn!r}; choose one of {ATTN_CHOICES}")
-        if self.n_embd % self.n_head != 0:
+        if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        if self.n_head % self.n_kv_head != 0:
+        self.n_kv_head = self.n_kv_head or self.n_head
+        if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         if self.family != 'llama' and self.n_kv_head != self.n_head:
-            raise ValueError(f"grouped-query attention (n_kv_head != n_head) is only for family='llama'")
-        if self.family == 'llama' and (self.n_embd // self.n_head) % 2 != 0:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.n_embd // self.n_head}")
-        if self.intermediate_size is None:
-            self.intermediate_size = 4 * self.n_embd
-        if self.window < 0 or self.diag_block < 0:
-            raise ValueError("window and diag_block must be >= 0")
-        if self.short_conv < 0:
-            raise ValueError(f"short_conv must be >= 0 (0 = none), got {self.short_conv}")
-        if self.short_conv and self.family == 'bert':
-            raise ValueError("short_conv is a causal convolution: not for family='bert' (bidirectional)")
-        if self.attn_options is None:
-            self.attn_options = {}
-        self.attn_options = dict(self.attn_options)
+            raise ValueError("grouped-query attention (n_kv_head != n_head) is only for family='llama'")
+        if self.family == 'llama' and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.short_conv < 0 or (self.short_conv and self.family == 'bert'):
+            raise ValueError(f"short_conv must be >= 0 and is causal (not for 'bert'), got {self.short_conv}")
+        self.intermediate_size = self.intermediate_size or 4 * self.n_embd
+        self.attn = str(AttnSpec.parse(self.attn))                      # validates; one spelling
+        self.layer_attn = {int(i): str(AttnSpec.parse(s)) for i, s in self.layer_attn.items()}
+        bad = [i for i in self.layer_attn if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"layer indices {bad} out of range: the model has {self.n_layer} layers")
 
     @property
     def head_dim(self):
@@ -124,10 +103,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        dtype, x = x.dtype, x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
 
 def make_norm(config):
@@ -144,51 +121,21 @@ def rope_inv_freq(head_dim, theta, scaling=None):
         return inv_freq
     if rope_type == 'linear':
         return inv_freq / scaling['factor']
-    if rope_type == 'llama3':
-        factor = scaling['factor']
-        low, high = scaling['low_freq_factor'], scaling['high_freq_factor']
-        old_len = scaling['original_max_position_embeddings']
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'linear', 'llama3'")
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    if rope_type != 'llama3':
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'linear', 'llama3'")
+    factor, low, high = scaling['factor'], scaling['low_freq_factor'], scaling['high_freq_factor']
+    old_len = scaling['original_max_position_embeddings']
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def apply_rope(x, cos, sin):
     # x (B, nh, T, hs); cos, sin (T, hs) -- HF Llama rotate_half convention
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
-
-
-def map_options(config, attn, options):
-    """A copy of the feature-map options with the model's defaults filled in: cosformer's M (max_len) is the
-    model's context length."""
-    options = dict(options)
-    if attn == 'cosformer' and options.get('max_len') is None:
-        options['max_len'] = config.block_size
-    return options
-
-
-def make_core(config, attn=None, window=None, diag_block=None, impl=None, options=None, window_combine=None):
-    """The attention core of one layer (an attention.Attention)."""
-    attn = config.attn if attn is None else attn
-    if attn not in ATTN_CHOICES:
-        raise ValueError(f"unknown attn {attn!r}; choose one of {ATTN_CHOICES}")
-    spec = AttnSpec(attn, window=config.window if window is None else window,
-                    combine=config.window_combine if window_combine is None else window_combine,
-                    diag_block=config.diag_block if diag_block is None else diag_block,
-                    impl=config.impl if impl is None else impl,
-                    options=config.attn_options if options is None else options)
-    return Attention(spec, config.head_dim, config.n_head, causal=config.causal,
-                     kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size)
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class ShortConv(nn.Module):
@@ -214,10 +161,33 @@ class ShortConv(nn.Module):
         return y.transpose(1, 2), xx[:, xx.size(1) - (self.kernel_size - 1):]
 
 
-class SelfAttention(nn.Module):
-    """q/k/v/o projections around a pluggable attention core."""
+class LoRALinear(nn.Linear):
+    """y = x W^T + b + (alpha / r) x A^T B^T (Hu et al. 2021), A (r, in) random, B (out, r) zero: a fresh
+    adapter changes nothing. It *is* the nn.Linear it wraps (same `weight`, `bias` Parameters and state-dict
+    names), plus `lora_A` and `lora_B`."""
 
-    def __init__(self, config):
+    def __init__(self, base, rank=8, alpha=16.0):
+        nn.Module.__init__(self)
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.in_features, self.out_features, self.weight, self.bias = (base.in_features, base.out_features,
+                                                                       base.weight, base.bias)
+        self.rank, self.scaling = int(rank), float(alpha) / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+class SelfAttention(nn.Module):
+    """q/k/v/o projections around a pluggable attention core (attention.Attention)."""
+
+    def __init__(self, config, spec):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         C, hs = config.n_embd, config.head_dim
@@ -227,35 +197,37 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * hs, C, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.k_conv = ShortConv(self.n_kv_head * hs, config.short_conv) if config.short_conv else None
-        self.core = make_core(config)
+        self.core = make_core(config, spec)
 
     def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
         B, T, C = x.size()
         nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
         q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
-        k = self.k_proj(x)                                      # (B, T, nkv * hs)
-        conv_past = None
+        k, conv_past = self.k_proj(x), None                     # (B, T, nkv * hs)
         if self.k_conv is not None:
             k, conv_past = self.k_conv(k, None if state is None else state.get('k_conv'))
         k = k.view(B, T, nkv, hs).transpose(1, 2)               # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
-            cos, sin = rope                                     # (T, hs) each
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
-            k = k.repeat_interleave(nh // nkv, dim=1)           # (B, nh, T, hs)
-            v = v.repeat_interleave(nh // nkv, dim=1)           # (B, nh, T, hs)
-        kwargs = {} if key_padding_mask is None else {'key_padding_mask': key_padding_mask}
+            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        kw = {} if key_padding_mask is None else {'key_padding_mask': key_padding_mask}
         if return_state:
             core_state = None if state is None else {n: t for n, t in state.items() if n != 'k_conv'}
-            y, state = self.core(q, k, v, state=core_state, return_state=True, **kwargs)
+            y, state = self.core(q, k, v, state=core_state, return_state=True, **kw)
             if conv_past is not None:
                 state = {**state, 'k_conv': conv_past}
         else:
-            y = self.core(q, k, v, **kwargs)                    # (B, nh, T, hs)
+            y = self.core(q, k, v, **kw)                        # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C)
-        y = self.resid_dropout(self.o_proj(y))
-        return y, state
+        return self.resid_dropout(self.o_proj(y)), state
+
+
+def make_core(config, spec):
+    """The attention core of one layer for `spec` (an AttnSpec or its string); cosformer's M = block_size."""
+    return Attention(spec, config.head_dim, config.n_head, causal=config.causal,
+                     kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size)
 
 
 class MLP(nn.Module):
@@ -263,46 +235,37 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, H = config.n_embd, config.intermediate_size
+        C, H, b = config.n_embd, config.intermediate_size, config.bias
         self.family = config.family
         if config.family == 'llama':
-            self.gate_proj = nn.Linear(C, H, bias=config.bias)
-            self.up_proj = nn.Linear(C, H, bias=config.bias)
-            self.down_proj = nn.Linear(H, C, bias=config.bias)
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(C, H, b), nn.Linear(C, H, b), nn.Linear(H, C, b)
         else:
-            self.c_fc = nn.Linear(C, H, bias=config.bias)
-            self.c_proj = nn.Linear(H, C, bias=config.bias)
-            self.approximate = 'tanh' if config.family == 'gpt2' else 'none'
+            self.c_fc, self.c_proj = nn.Linear(C, H, bias=b), nn.Linear(H, C, bias=b)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         if self.family == 'llama':
-            x = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        else:
-            x = self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
-        return self.dropout(x)
+            return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        approximate = 'tanh' if self.family == 'gpt2' else 'none'
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=approximate)))
 
 
 class Block(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, spec):
         super().__init__()
         self.post_norm = config.family == 'bert'
-        self.ln_1 = make_norm(config)
-        self.attn = SelfAttention(config)
-        self.ln_2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.ln_1, self.attn = make_norm(config), SelfAttention(config, spec)
+        self.ln_2, self.mlp = make_norm(config), MLP(config)
 
     def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
         if self.post_norm:  # BERT
             a, state = self.attn(x, rope, state, return_state, key_padding_mask)
             x = self.ln_1(x + a)
-            x = self.ln_2(x + self.mlp(x))
-        else:               # GPT-2, Llama
-            a, state = self.attn(self.ln_1(x), rope, state, return_state, key_padding_mask)
-            x = x + a
-            x = x + self.mlp(self.ln_2(x))
-        return x, state
+            return self.ln_2(x + self.mlp(x)), state
+        a, state = self.attn(self.ln_1(x), rope, state, return_state, key_padding_mask)   # GPT-2, Llama
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), state
 
 
 # -----------------------------------------------------------------------------
@@ -312,53 +275,36 @@ class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        assert isinstance(config, GPTConfig)
         self.config = config
-        fam = config.family
-        modules = dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-        )
+        fam, C = config.family, config.n_embd
+        modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout),
+                       h=nn.ModuleList([Block(config, self.layer_spec(i)) for i in range(config.n_layer)]))
         if fam in ('gpt2', 'bert'):
-            modules['wpe'] = nn.Embedding(config.block_size, config.n_embd)
+            modules['wpe'] = nn.Embedding(config.block_size, C)
         if fam == 'bert':
-            modules['wtt'] = nn.Embedding(config.type_vocab_size, config.n_embd)
+            modules['wtt'] = nn.Embedding(config.type_vocab_size, C)
             modules['ln_e'] = make_norm(config)   # embedding LayerNorm (post-LN model, no final norm)
         else:
             modules['ln_f'] = make_norm(config)
         self.transformer = nn.ModuleDict(modules)
         if fam == 'bert':
-            self.pooler = nn.Linear(config.n_embd, config.n_embd)
+            self.pooler = nn.Linear(C, C)
             if config.num_labels > 0:
-                self.classifier = nn.Linear(config.n_embd, config.num_labels)
+                self.classifier = nn.Linear(C, config.num_labels)
         else:
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
             if config.tie_embeddings:
                 self.lm_head.weight = self.transformer.wte.weight
-        self._inv_freq = {}  # device -> RoPE inverse frequencies, float32 (not a buffer: .to(bf16) must not round it)
-        self.tokenizer = None  # a tokenizer.py tokenizer (from_pretrained / checkpoints set it), or None
-        # per-layer attention settings (what set_attention may change layer by layer)
-        self.layer_specs = [self._spec(config.attn, config.window, config.diag_block, config.impl,
-                                       config.attn_options, config.window_combine) for _ in range(config.n_layer)]
-        # init (nanoGPT); the attention cores keep their own initialisation (e.g. identity feature maps)
-        for name, module in self.named_modules():
-            if '.core' not in name and not name.endswith('core'):
+        self._inv_freq = {}    # device -> RoPE inverse frequencies in float32 (not a buffer: .to(bf16) must not round it)
+        self.tokenizer = None  # the tokenizer that travels with the model (load and save handle it)
+        for name, module in self.named_modules():   # nanoGPT init; the attention cores keep their own
+            if '.core' not in name:
                 self._init_weights(module)
         for pn, p in self.named_parameters():
-            if pn.endswith(('o_proj.weight', 'c_proj.weight', 'down_proj.weight')) and '.core.' not in pn:
+            if pn.endswith(('o_proj.weight', 'c_proj.weight', 'down_proj.weight')):
                 torch.nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _spec(attn, window, diag_block, impl, options, window_combine='joint'):
-        return dict(attn=attn, window=int(window), diag_block=int(diag_block), impl=impl,
-                    options=dict(options or {}), window_combine=window_combine)
-
-    @staticmethod
-    def spec_from_dict(s):
-        """A saved per-layer spec in the current form (files written before window_combine existed are 'joint')."""
-        return GPT._spec(s['attn'], s['window'], s['diag_block'], s['impl'], s['options'],
-                         s.get('window_combine', 'joint'))
+        if config.lora:
+            self._add_lora(**config.lora)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -371,53 +317,72 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=True):
         """Number of parameters (position embeddings excluded by default, as in nanoGPT)."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding and 'wpe' in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return n - (self.transformer.wpe.weight.numel() if non_embedding and 'wpe' in self.transformer else 0)
 
-    # ---- attention cores -----------------------------------------------------
+    # ---- attention cores and adapters ------------------------------------------
+
+    def layer_spec(self, i):
+        return AttnSpec.parse(self.config.layer_attn.get(i, self.config.attn))
 
     def attention_cores(self):
         """The attention.Attention core of every layer, in layer order."""
         return [block.attn.core for block in self.transformer.h]
 
-    def set_attention(self, attn, layers=None, window=0, diag_block=0, window_combine='joint', **map_options):
-        """Replace the attention core of `layers` (default: all), keeping q/k/v/o and everything else.
-        `map_options` go to the feature map (e.g. feature_dim=64); `impl=` picks the linear-attention
-        implementation (default config.impl); window_combine 'joint' or 'mix' the window hybrid's form
-        (attention.combine_window_linear). Changing all layers also updates the config."""
-        n = self.config.n_layer
-        if layers is None:
-            layers = list(range(n))
-        elif isinstance(layers, int):
-            layers = [layers]
-        layers = list(layers)
-        bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < n]
+    def set_attention(self, spec, layers=None):
+        """New attention cores for `layers` (default: all) from `spec` (e.g. 'hedgehog:feature_dim=64'), keeping
+        q/k/v/o and everything else; the config records it, so save/load rebuild the same model."""
+        cfg, spec = self.config, str(AttnSpec.parse(spec))
+        layers = range(cfg.n_layer) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+        bad = [i for i in layers if not 0 <= i < cfg.n_layer]
         if bad:
-            raise ValueError(f"layer indices {bad} out of range: the model has {n} layers (0..{n - 1})")
-        if attn not in ATTN_CHOICES:
-            raise ValueError(f"unknown attn {attn!r}; choose one of {ATTN_CHOICES}")
-        impl = map_options.pop('impl', self.config.impl)
+            raise ValueError(f"layer indices {bad} out of range: the model has {cfg.n_layer} layers")
         ref = self.transformer.h[0].attn.q_proj.weight
         for i in layers:
-            core = make_core(self.config, attn, window, diag_block, impl, map_options, window_combine)
-            self.transformer.h[i].attn.core = core.to(ref.device)
-            self.layer_specs[i] = self._spec(attn, window, diag_block, impl, map_options, window_combine)
-        if sorted(set(layers)) == list(range(n)):
-            self.config.attn, self.config.window, self.config.diag_block = attn, window, diag_block
-            self.config.impl, self.config.attn_options = impl, dict(map_options)
-            self.config.window_combine = window_combine
+            self.transformer.h[i].attn.core = make_core(cfg, spec).to(ref.device)
+            cfg.layer_attn[i] = spec
+        if len(set(layers)) == cfg.n_layer:
+            cfg.attn = spec
+        cfg.layer_attn = {i: s for i, s in cfg.layer_attn.items() if s != cfg.attn}
         return self
 
-    def _apply_layer_specs(self, specs):
-        """Re-create per-layer cores from saved specs (only where they differ from the current ones)."""
-        if len(specs) != self.config.n_layer:
-            raise ValueError(f"{len(specs)} layer attention specs for a {self.config.n_layer}-layer model")
-        for i, s in enumerate(specs):
-            s = self.spec_from_dict(s)
-            if s != self.layer_specs[i]:
-                self.set_attention(s['attn'], layers=[i], window=s['window'], diag_block=s['diag_block'],
-                                   window_combine=s['window_combine'], impl=s['impl'], **s['options'])
+    def _add_lora(self, rank, alpha, targets):
+        for name in targets:
+            parent, _, child = name.rpartition('.')
+            setattr(self.get_submodule(parent), child, LoRALinear(self.get_submodule(name), rank, alpha))
+
+    def add_lora(self, rank=8, alpha=16.0, targets=('q_proj', 'k_proj', 'v_proj', 'o_proj'), layers=None):
+        """LoRA adapters on the Linear modules whose names end with `targets`, in `layers` (default all);
+        recorded in config.lora so that save/load rebuild them. Returns the adapted module names."""
+        layers = range(self.config.n_layer) if layers is None else layers
+        names = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)
+                 and n.startswith('transformer.h.') and int(n.split('.')[2]) in layers and n.endswith(tuple(targets))]
+        if not names:
+            raise ValueError(f"LoRA targets {list(targets)} match no Linear module in layers {list(layers)}")
+        self._add_lora(rank, alpha, names)
+        self.config.lora = dict(rank=rank, alpha=alpha, targets=names)
+        return names
+
+    @contextlib.contextmanager
+    def capture_qkv(self, layers=None, teacher=False):
+        """with model.capture_qkv() as rec: model(x)  ->  rec[i] = (q, k, v, key_padding_mask): what layer i's
+        attention core received, (B, H, T, D) after RoPE (k, v GQA-repeated to H); the mask is None for causal
+        models. teacher=True makes every core compute exact softmax meanwhile, so that a converted model runs
+        as its teacher. The one q/k capture: attention transfer, DoF, fidelity and entropy metrics use it."""
+        cores, rec = self.attention_cores(), {}
+        layers = range(len(cores)) if layers is None else layers
+        hooks = [cores[i].register_forward_pre_hook(
+            lambda mod, args, kw, i=i: rec.__setitem__(i, (*args[:3], kw.get('key_padding_mask'))),
+            with_kwargs=True) for i in layers]
+        flags = [c.teacher for c in cores]
+        for c in cores:
+            c.teacher = c.teacher or teacher
+        try:
+            yield rec
+        finally:
+            for h in hooks:
+                h.remove()
+            for c, f in zip(cores, flags):
+                c.teacher = f
 
     # ---- forward ---------------------------------------------------------------
 
@@ -426,61 +391,47 @@ class GPT(nn.Module):
             cfg = self.config
             self._inv_freq[device] = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
         pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, self._inv_freq[device])           # (T, hs/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                    # (T, hs)
+        emb = torch.outer(pos, self._inv_freq[device]).repeat(1, 2)   # (T, hs)
         return emb.cos(), emb.sin()
 
-    def _hidden(self, idx, offset=0, states=None, return_state=False, token_type_ids=None,
-                attention_mask=None):
-        """Final hidden states (B, T, C) for tokens at positions offset..offset+T-1, and new states."""
-        cfg = self.config
+    def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None,
+                      attention_mask=None):
+        """Final hidden states (B, T, C) of tokens at positions offset..offset+T-1, and the new decode states.
+        attention_mask (B, T) (BERT): 1 = real token, 0 = padding."""
+        cfg, tr = self.config, self.transformer
         B, T = idx.size()
-        device = idx.device
-        x = self.transformer.wte(idx)                               # (B, T, C)
-        if 'wpe' in self.transformer:
+        x = tr.wte(idx)                                             # (B, T, C)
+        if 'wpe' in tr:
             if offset + T > cfg.block_size:
-                raise ValueError(f"sequence of length {offset + T} is longer than block_size="
-                                 f"{cfg.block_size} (learned position embeddings)")
-            pos = torch.arange(offset, offset + T, dtype=torch.long, device=device)
-            x = x + self.transformer.wpe(pos)                       # (B, T, C)
+                raise ValueError(f"sequence of length {offset + T} is longer than block_size={cfg.block_size} "
+                                 "(learned position embeddings)")
+            x = x + tr.wpe(torch.arange(offset, offset + T, device=idx.device))
         if cfg.family == 'bert':
-            if token_type_ids is None:
-                token_type_ids = torch.zeros_like(idx)
-            x = self.transformer.ln_e(x + self.transformer.wtt(token_type_ids))
-        x = self.transformer.drop(x)
-        rope = self._rope(offset, T, device) if cfg.family == 'llama' else None
-        kpm = None
-        if attention_mask is not None:
-            if attention_mask.shape != idx.shape:
-                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != idx shape {tuple(idx.shape)}")
-            kpm = attention_mask.to(device).bool()                  # (B, T) True = real token
+            x = tr.ln_e(x + tr.wtt(torch.zeros_like(idx) if token_type_ids is None else token_type_ids))
+        x = tr.drop(x)
+        rope = self._rope(offset, T, idx.device) if cfg.family == 'llama' else None
+        kpm = None if attention_mask is None else attention_mask.to(idx.device).bool()   # (B, T) True = real
         new_states = []
-        for i, block in enumerate(self.transformer.h):
+        for i, block in enumerate(tr.h):
             x, s = block(x, rope, None if states is None else states[i], return_state, kpm)
             new_states.append(s)
-        if 'ln_f' in self.transformer:
-            x = self.transformer.ln_f(x)
+        x = tr.ln_f(x) if 'ln_f' in tr else x
         return x, (new_states if return_state else None)
 
     def forward(self, idx, targets=None):
-        """Causal LM: logits (B, T, vocab) for every position, and the cross-entropy loss if targets
-        (B, T) are given (targets[t] is the token that follows idx[t]; -100 is ignored)."""
+        """Causal LM: logits (B, T, vocab) and, given targets (B, T) (-100 = ignored), the cross-entropy loss."""
         if self.config.family == 'bert':
             raise ValueError("family='bert' is bidirectional: use model.encode(...) or model.classify(...)")
-        x, _ = self._hidden(idx)
-        logits = self.lm_head(x)                                    # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                   ignore_index=-100)
-        return logits, loss
+        logits = self.lm_head(self.hidden_states(idx)[0])           # (B, T, vocab)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-100)
 
     def encode(self, idx, attention_mask=None, token_type_ids=None):
         """BERT: last hidden states (B, T, C). attention_mask (B, T): 1 = real token, 0 = padding."""
         if self.config.family != 'bert':
             raise ValueError(f"encode() is for family='bert' (this model is {self.config.family!r})")
-        x, _ = self._hidden(idx, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        return x
+        return self.hidden_states(idx, token_type_ids=token_type_ids, attention_mask=attention_mask)[0]
 
     def pool(self, hidden):
         """BERT pooler: tanh(W h_[CLS])."""
@@ -494,34 +445,25 @@ class GPT(nn.Module):
                              f"(got family={self.config.family!r}, num_labels={self.config.num_labels})")
         pooled = self.pool(self.encode(idx, attention_mask, token_type_ids))
         logits = self.classifier(self.transformer.drop(pooled))
-        loss = None
-        if labels is not None:
-            if self.config.num_labels == 1:
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
-            else:
-                loss = F.cross_entropy(logits.float(), labels.long())
-        return logits, loss
-
-    # ---- training helpers ------------------------------------------------------
+        if labels is None:
+            return logits, None
+        if self.config.num_labels == 1:
+            return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
+        return logits, F.cross_entropy(logits.float(), labels.long())
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW over the trainable parameters; weight decay on 2-D+ tensors only (nanoGPT), not on the
-        identity-initialised short convolution."""
+        """AdamW over the trainable parameters. Weight decay pulls a weight towards zero, so it goes only where
+        zero is a neutral value: the 2-D weights of the nanoGPT-initialised projections and embeddings, and the
+        LoRA factors (zero = no change). Parameters initialised to the identity or another structured value --
+        everything inside the attention cores (feature maps, window factors) and the short convolution -- and
+        1-D gains and biases are not decayed."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        decay = [p for n, p in named if p.dim() >= 2 and 'k_conv' not in n]
-        nodecay = [p for n, p in named if p.dim() < 2 or 'k_conv' in n]
-        groups = [{'params': decay, 'weight_decay': weight_decay},
-                  {'params': nodecay, 'weight_decay': 0.0}]
-        use_fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters
-        extra = dict(fused=True) if use_fused else dict()
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
-
-    def crop_block_size(self, block_size):
-        """Shrink the learned position table (nanoGPT)."""
-        assert block_size <= self.config.block_size
-        self.config.block_size = block_size
-        if 'wpe' in self.transformer:
-            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        structured = lambda n: '.core.' in n or '.k_conv.' in n
+        decay = [p for n, p in named if p.dim() >= 2 and not structured(n)]
+        nodecay = [p for n, p in named if p.dim() < 2 or structured(n)]
+        return torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
+                                  {'params': nodecay, 'weight_decay': 0.0}], lr=learning_rate, betas=betas,
+                                 fused=device_type == 'cuda')
 
     # ---- generation --------------------------------------------------------------
 
@@ -531,14 +473,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def prefill(self, idx):
-        """Run the prompt and return (logits of the last position (B, vocab), per-layer states)."""
-        x, states = self._hidden(idx, offset=0, return_state=True)
+        """Run the prompt: (logits of the last position (B, vocab), per-layer states)."""
+        x, states = self.hidden_states(idx, return_state=True)
         return self.lm_head(x[:, -1]), states
 
     @torch.no_grad()
     def decode_step(self, tok, offset, states):
-        """Feed one token per row (B,) at absolute position `offset`; returns (logits (B, vocab), states)."""
-        x, states = self._hidden(tok.view(-1, 1), offset=offset, states=states, return_state=True)
+        """Feed one token per row (B,) at absolute position `offset`: (logits (B, vocab), states)."""
+        x, states = self.hidden_states(tok.view(-1, 1), offset=offset, states=states, return_state=True)
         return self.lm_head(x[:, -1]), states
 
     @staticmethod
@@ -553,40 +495,29 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_token_id=None, use_cache=True):
-        """Append up to max_new_tokens tokens to idx (B, T) and return (B, T + n).
-
-        temperature=0.0 is greedy decoding (argmax); otherwise sample from softmax(logits / temperature),
-        restricted to the top_k most likely tokens if top_k is given (top_k=1 is also greedy).
-        eos_token_id (int or list of ints): a row that produced EOS keeps producing EOS (padding), and
-        generation stops early once every row has produced one.
-        use_cache=True: prefill the prompt, then one token at a time passing each layer's state back --
-        a KV cache for softmax (grows with length), a constant-size recurrent state for linear maps and the
-        window hybrid. use_cache=False: full forward passes over the whole sequence (the reference;
-        learned-position models crop the context to the last block_size tokens, as nanoGPT does).
-        """
-        cfg = self.config
+        """Append up to max_new_tokens tokens to idx (B, T): temperature 0 is greedy, otherwise sampling from
+        softmax(logits / temperature) over the top_k tokens. A row that produced eos_token_id (an int or a list)
+        keeps producing it; generation stops when every row has. use_cache: prefill, then one token at a time
+        with each layer's state -- a KV cache for softmax, a constant-size state for linear maps and the
+        window hybrid; use_cache=False: full forward passes (the reference; learned positions crop the context
+        to the last block_size tokens, as nanoGPT does)."""
+        cfg, (B, T0) = self.config, idx.size()
         if cfg.family == 'bert':
             raise ValueError("generate() needs a causal family (gpt2 or llama), not 'bert'")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        B, T0 = idx.size()
-        if max_new_tokens <= 0:
-            return idx
         learned_pos = 'wpe' in self.transformer
         if use_cache and learned_pos and T0 + max_new_tokens - 1 > cfg.block_size:
             raise ValueError(f"cached generation of {max_new_tokens} tokens after a {T0}-token prompt needs "
                              f"{T0 + max_new_tokens - 1} positions, more than block_size={cfg.block_size} "
-                             f"(learned positions); generate fewer tokens or use use_cache=False (crops the context)")
-        eos = None
-        if eos_token_id is not None:
-            eos = torch.as_tensor(eos_token_id, device=idx.device).view(-1)
+                             "(learned positions); generate fewer tokens or use use_cache=False (crops the context)")
+        eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=idx.device).view(-1)
         finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        if use_cache:
+        if use_cache and max_new_tokens > 0:
             logits, states = self.prefill(idx)
         for i in range(max_new_tokens):
             if not use_cache:
-                idx_cond = idx[:, -cfg.block_size:] if learned_pos else idx
-                logits = self(idx_cond)[0][:, -1, :]
+                logits = self(idx[:, -cfg.block_size:] if learned_pos else idx)[0][:, -1, :]
             nxt = self._sample(logits, temperature, top_k)          # (B,)
             if eos is not None:
                 nxt = torch.where(finished, eos[0], nxt)
@@ -598,323 +529,322 @@ class GPT(nn.Module):
                 logits, states = self.decode_step(nxt, idx.size(1) - 1, states)
         return idx
 
-    # ---- pretrained weights ----------------------------------------------------------
-
     @classmethod
-    def from_pretrained(cls, name_or_dir, **overrides):
-        """Load a HuggingFace GPT-2 / Llama / BERT checkpoint from a local folder (config.json +
-        model.safetensors, sharded model.safetensors.index.json, or pytorch_model.bin) or from the hub by
-        name (needs internet, e.g. 'gpt2', 'bert-base-uncased'). A llama.cpp .gguf file (load_gguf) and one of
-        our own checkpoint files (save_checkpoint) also work. Overrides are GPTConfig fields, e.g.
-        attn='hedgehog', window=64, attn_options={'feature_dim': 64}, num_labels=2, dropout=0.1, block_size=256.
-        Every checkpoint key and shape is checked; the new attention parameters (feature maps etc.,
-        inside each layer's `core`) are the only parameters allowed to be absent. `model.tokenizer` is the
-        checkpoint's tokenizer (a HF folder's tokenizer files, the GGUF vocabulary, our checkpoint's) or None."""
-        bad = sorted(set(overrides) - {f.name for f in fields(GPTConfig)})
-        if bad:
-            raise ValueError(f"unknown override(s) {bad}; GPTConfig fields are {[f.name for f in fields(GPTConfig)]}")
-        if os.path.isfile(name_or_dir) and str(name_or_dir).endswith('.gguf'):
-            return load_gguf(name_or_dir, **overrides)
-        if os.path.isfile(name_or_dir):
-            return _load_own_checkpoint(name_or_dir, overrides)[0]
-        folder = _resolve_hf_folder(name_or_dir)
+    def from_pretrained(cls, path, **overrides):
+        """nanoGPT's name for `load(path, **overrides)[0]`."""
+        return load(path, **overrides)[0]
+
+
+# -----------------------------------------------------------------------------
+# load and save: one loader for every format, one checkpoint format
+
+def load(path, **overrides):
+    """(model, extra) from any model this project reads:
+      - our checkpoint (save() below; train.py's and convert.py's out_dir/ckpt.pt, or the folder holding it);
+        a converted model's checkpoint names its base model and holds only what the conversion added;
+      - a HuggingFace folder (config.json + safetensors / .bin, sharded or not) or hub name (needs internet);
+      - a llama.cpp .gguf file (dequantised to float32).
+    `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...).
+    New attention parameters are the only ones allowed to be absent; when `attn` changes the map of a
+    layer of our checkpoint, that layer's trained core is re-initialised (with a message); a change of
+    `impl` alone keeps it. model.tokenizer is the checkpoint's own tokenizer (or None). extra is what
+    save(**extra) stored (train.py: optimizer and RNG state) and 'base', the model a conversion started from."""
+    bad = sorted(set(overrides) - {f.name for f in fields(GPTConfig)})
+    if bad:
+        raise ValueError(f"unknown override(s) {bad}; GPTConfig fields are {[f.name for f in fields(GPTConfig)]}")
+    return _load(str(path), overrides)
+
+
+def _load(path, overrides, as_base=False):
+    """load(); as_base: the base of a converted model, whose new tensors (_is_new) come from the conversion."""
+    ckpt = os.path.join(path, 'ckpt.pt') if os.path.isdir(path) else path
+    if os.path.isfile(ckpt) and not path.endswith('.gguf'):
+        return _load_ours(ckpt, overrides, as_base)
+    if path.endswith('.gguf'):
+        import gguf
+        reader = gguf.GGUFReader(path)
+        model = _new_model(gguf_config_to_kwargs(reader, path), overrides, path)
+        _load_hf_state(model, _read_gguf_tensors(reader, model, path), path)
+        try:
+            model.tokenizer = tokenizer_lib.HFTokenizer.from_gguf(reader)
+        except tokenizer_lib.TokenizerError as e:   # e.g. SentencePiece vocabularies
+            warnings.warn(f"{path}: {e}; model.tokenizer is None (give one, e.g. --tokenizer <HF folder>)")
+    else:
+        folder = _hf_folder(path)
         with open(os.path.join(folder, 'config.json')) as f:
-            hf = json.load(f)
-        cfg_kwargs = hf_config_to_kwargs(hf)
-        if overrides.get('family', cfg_kwargs['family']) != cfg_kwargs['family']:
-            raise ValueError(f"family={overrides['family']!r} does not match the checkpoint ({cfg_kwargs['family']!r})")
-        cfg_kwargs.update(overrides)
-        config = GPTConfig(**cfg_kwargs)
-        model = cls(config)
-        tensors = _read_hf_tensors(folder)
-        _load_hf_state(model, tensors, name_or_dir)
+            model = _new_model(hf_config_to_kwargs(json.load(f)), overrides, path)
+        _load_hf_state(model, _read_hf_tensors(folder), path)
         if tokenizer_lib.has_tokenizer_files(folder):
             model.tokenizer = tokenizer_lib.HFTokenizer.from_folder(folder)
-        return model
+    return model, {}
+
+
+def _new_model(kwargs, overrides, source):
+    if overrides.get('family', kwargs['family']) != kwargs['family']:
+        raise ValueError(f"family={overrides['family']!r} does not match {source} ({kwargs['family']!r})")
+    return GPT(GPTConfig(**{**kwargs, **overrides}))
+
+
+def _is_new(name):
+    """Tensors a conversion adds: attention cores (feature maps, window factors) and LoRA factors."""
+    return '.core.' in name or name.endswith(('.lora_A', '.lora_B'))
+
+
+def _own_tensors(model):
+    sd = model.state_dict()
+    if model.config.family != 'bert' and model.config.tie_embeddings:
+        sd.pop('lm_head.weight')    # the same tensor as transformer.wte.weight
+    return sd
+
+
+def save(path, model, base=None, keep=(), **extra):
+    """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path` atomically.
+    base: the model this one was converted from (a path or hub name): then only the new tensors (attention
+    cores, LoRA, and names starting with a prefix in `keep`, e.g. a new classifier) are written, and load()
+    rebuilds the rest from the base."""
+    sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model).items()
+          if base is None or _is_new(k) or any(k.startswith(p) for p in keep)}
+    tok = model.tokenizer.to_spec() if model.tokenizer is not None else None
+    obj = dict(config=asdict(model.config), model=sd, tokenizer=tok, base=base and str(base), extra=extra)
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.' + os.path.basename(path), suffix='.tmp')
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)   # never a half-written checkpoint
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _load_ours(path, overrides, as_base):
+    obj = torch.load(path, map_location='cpu', weights_only=True)
+    if not isinstance(obj, dict) or not {'config', 'model'} <= set(obj):
+        raise ValueError(f"{path} is not a checkpoint written by model.save")
+    saved = GPTConfig(**obj['config'])
+    want = {**obj['config'], **overrides}
+    if 'attn' in overrides and 'layer_attn' not in overrides:
+        want['layer_attn'] = {}   # a new attention for the whole model
+    if obj.get('base'):   # a converted model: the base first, with the saved attention and adapters
+        model, _ = _load(obj['base'], {k: v for k, v in want.items() if k != 'family'}, as_base=True)
+    else:
+        model = GPT(GPTConfig(**want))
+    changed = [i for i in range(saved.n_layer)
+               if replace(_spec_of(saved, i), impl='chunked') != replace(model.layer_spec(i), impl='chunked')]
+    if changed and not as_base:
+        print(f"{path}: attention of layers {changed} changed to {model.config.attn}: their cores are re-initialised")
+    tensors = {k: v for k, v in obj['model'].items() if not _in_layers(k, changed)}
+    own = _own_tensors(model)
+    need = {k for k in own if not _in_layers(k, changed) and (_is_new(k) if obj.get('base') else
+                                                              not (as_base and _is_new(k)))}
+    _copy_strict(own, tensors, need, f"checkpoint {path}")
+    if obj.get('tokenizer'):
+        model.tokenizer = tokenizer_lib.load_tokenizer(obj['tokenizer'])
+    return model, dict(obj.get('extra') or {}, base=obj.get('base'))
+
+
+def _spec_of(config, i):
+    return AttnSpec.parse(config.layer_attn.get(i, config.attn))
+
+
+def _in_layers(name, layers):
+    return '.core.' in name and any(name.startswith(f'transformer.h.{i}.') for i in layers)
+
+
+def _copy_strict(own, tensors, need, what):
+    """Copy tensors into the model's state `own`; one ValueError naming every missing (in `need`, not given),
+    unexpected and mis-shaped tensor."""
+    missing = sorted(need - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    shapes = [f"{k}: file {tuple(t.shape)} vs model {tuple(own[k].shape)}" for k, t in tensors.items()
+              if k in own and own[k].shape != t.shape]
+    _raise_key_errors(f"cannot load {what}", missing, unexpected, shapes)
+    with torch.no_grad():
+        for k, t in tensors.items():
+            own[k].copy_(t)
+
+
+def _fmt(names, limit=20):
+    names = sorted(names)
+    return ', '.join(names[:limit]) + (f', ... ({len(names) - limit} more)' if len(names) > limit else '')
+
+
+def _raise_key_errors(header, missing, unexpected, shape_problems, where=''):
+    """One ValueError naming every missing, unexpected and mis-shaped tensor (nothing when all match)."""
+    msg = ([f"missing keys{where}: {_fmt(missing)}"] if missing else []) + \
+          ([f"unexpected keys{where}: {_fmt(unexpected)}"] if unexpected else []) + \
+          (["shape mismatches: " + '; '.join(shape_problems[:20])] if shape_problems else [])
+    if msg:
+        raise ValueError('\n  '.join([header + ':'] + msg))
 
 
 # -----------------------------------------------------------------------------
 # HuggingFace checkpoints
 
 def hf_config_to_kwargs(hf):
-    """HF config.json dict -> GPTConfig keyword arguments."""
-    mt = hf.get('model_type')
+    """HF config.json dict -> GPTConfig keyword arguments (GPT-2, Llama, BERT; anything else is an error)."""
+    mt, get = hf.get('model_type'), hf.get
     if mt == 'gpt2':
-        act = hf.get('activation_function', 'gelu_new')
-        if act not in ('gelu_new', 'gelu_pytorch_tanh'):
-            raise ValueError(f"GPT-2 activation {act!r} not supported (expects gelu_new)")
-        if hf.get('scale_attn_by_inverse_layer_idx') or not hf.get('scale_attn_weights', True):
-            raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights "
-                             "are not supported")
-        n_embd = hf['n_embd']
-        return dict(family='gpt2', vocab_size=hf['vocab_size'], block_size=hf['n_positions'],
-                    n_layer=hf['n_layer'], n_head=hf['n_head'], n_embd=n_embd,
-                    intermediate_size=hf.get('n_inner') or 4 * n_embd, bias=True,
-                    norm_eps=hf.get('layer_norm_epsilon', 1e-5),
-                    tie_embeddings=hf.get('tie_word_embeddings', True))
+        if get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh') or \
+                get('scale_attn_by_inverse_layer_idx') or not get('scale_attn_weights', True):
+            raise ValueError("GPT-2 variants other than gelu_new with scale_attn_weights are not supported")
+        return dict(family='gpt2', vocab_size=hf['vocab_size'], block_size=hf['n_positions'], n_layer=hf['n_layer'],
+                    n_head=hf['n_head'], n_embd=hf['n_embd'], intermediate_size=get('n_inner') or 4 * hf['n_embd'],
+                    norm_eps=get('layer_norm_epsilon', 1e-5), tie_embeddings=get('tie_word_embeddings', True))
     if mt == 'llama':
-        if hf.get('hidden_act', 'silu') != 'silu':
-            raise ValueError(f"Llama activation {hf.get('hidden_act')!r} not supported (expects silu)")
-        attn_bias, mlp_bias = hf.get('attention_bias', False), hf.get('mlp_bias', False)
-        if attn_bias != mlp_bias:
-            raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported "
-                             "(one bias flag for the whole model)")
-        n_embd, n_head = hf['hidden_size'], hf['num_attention_heads']
-        if hf.get('head_dim') not in (None, n_embd // n_head):
-            raise ValueError(f"head_dim={hf['head_dim']} != hidden_size/num_attention_heads={n_embd // n_head} "
-                             "is not supported")
-        if hf.get('pretraining_tp', 1) != 1:
-            warnings.warn("pretraining_tp != 1 is ignored (it only changes how HF splits the matmuls)")
-        rope = hf.get('rope_parameters') or {}   # transformers >= 5
-        theta = rope.get('rope_theta', hf.get('rope_theta', 10000.0))
-        scaling = hf.get('rope_scaling') or rope
-        scaling = {k: v for k, v in scaling.items() if k != 'rope_theta'}
+        bias = get('attention_bias', False)
+        if get('hidden_act', 'silu') != 'silu' or bias != get('mlp_bias', False) or \
+                get('head_dim') not in (None, hf['hidden_size'] // hf['num_attention_heads']):
+            raise ValueError("Llama variants other than silu, one bias flag and head_dim = hidden/heads "
+                             "are not supported")
+        rope = get('rope_parameters') or {}   # transformers >= 5
+        theta = rope.get('rope_theta', get('rope_theta', 10000.0))
+        scaling = {k: v for k, v in (get('rope_scaling') or rope).items() if k != 'rope_theta'}
         if scaling.get('rope_type', scaling.get('type', 'default')) == 'default':
             scaling = None
         else:
             rope_inv_freq(2, theta, scaling)   # fail early on an unsupported rope_type
-        return dict(family='llama', vocab_size=hf['vocab_size'], block_size=hf.get('max_position_embeddings', 2048),
-                    n_layer=hf['num_hidden_layers'], n_head=n_head,
-                    n_kv_head=hf.get('num_key_value_heads') or n_head, n_embd=n_embd,
-                    intermediate_size=hf['intermediate_size'], bias=bool(attn_bias),
-                    norm_eps=hf.get('rms_norm_eps', 1e-6), rope_theta=float(theta), rope_scaling=scaling,
-                    tie_embeddings=hf.get('tie_word_embeddings', False))
+        return dict(family='llama', vocab_size=hf['vocab_size'], block_size=get('max_position_embeddings', 2048),
+                    n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
+                    n_kv_head=get('num_key_value_heads'), n_embd=hf['hidden_size'],
+                    intermediate_size=hf['intermediate_size'], bias=bool(bias), norm_eps=get('rms_norm_eps', 1e-6),
+                    rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=get('tie_word_embeddings', False))
     if mt == 'bert':
-        if hf.get('hidden_act', 'gelu') != 'gelu':
-            raise ValueError(f"BERT activation {hf.get('hidden_act')!r} not supported (expects exact gelu)")
-        if hf.get('position_embedding_type', 'absolute') != 'absolute':
-            raise ValueError("BERT with relative position embeddings is not supported")
-        archs = hf.get('architectures') or []
+        if get('hidden_act', 'gelu') != 'gelu' or get('position_embedding_type', 'absolute') != 'absolute':
+            raise ValueError("BERT variants other than exact gelu with absolute positions are not supported")
         num_labels = 0
-        if any(a.endswith('ForSequenceClassification') for a in archs):
-            num_labels = len(hf['id2label']) if hf.get('id2label') else hf.get('num_labels', 2)
+        if any(a.endswith('ForSequenceClassification') for a in get('architectures') or []):
+            num_labels = len(hf['id2label']) if get('id2label') else get('num_labels', 2)
         return dict(family='bert', vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
                     n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'], n_embd=hf['hidden_size'],
-                    intermediate_size=hf['intermediate_size'], bias=True,
-                    norm_eps=hf.get('layer_norm_eps', 1e-12), type_vocab_size=hf.get('type_vocab_size', 2),
-                    num_labels=num_labels, tie_embeddings=False)
+                    intermediate_size=hf['intermediate_size'], norm_eps=get('layer_norm_eps', 1e-12),
+                    type_vocab_size=get('type_vocab_size', 2), num_labels=num_labels, tie_embeddings=False)
     raise ValueError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
 
 
-def _resolve_hf_folder(name_or_dir):
+def _hf_folder(name_or_dir):
+    """A local HF folder, or the hub snapshot of a name (config, tokenizer files and weights)."""
     if os.path.isdir(name_or_dir):
         if not os.path.isfile(os.path.join(name_or_dir, 'config.json')):
-            raise FileNotFoundError(f"{name_or_dir} has no config.json (expected a HuggingFace checkpoint folder)")
+            raise FileNotFoundError(f"{name_or_dir} has neither ckpt.pt nor config.json (a HuggingFace folder)")
         return name_or_dir
-    if name_or_dir.startswith(('/', '.', '~')) or name_or_dir.count('/') > 1:
+    if name_or_dir.startswith(('/', '.', '~')) or name_or_dir.count('/') > 1 or os.path.splitext(name_or_dir)[1]:
         raise FileNotFoundError(f"no such checkpoint folder or file: {name_or_dir}")
     try:
         from huggingface_hub import snapshot_download
-        files = ['config.json', '*.json', 'vocab.txt', 'merges.txt', 'tokenizer.model']  # config + tokenizer
+        files = ['*.json', 'vocab.txt', 'merges.txt', 'tokenizer.model']
         folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.safetensors'])
-        if not glob.glob(os.path.join(folder, '*.safetensors')):
+        if not any(f.endswith('.safetensors') for f in os.listdir(folder)):
             folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.bin'])
     except Exception as e:  # offline, unknown repo, gated model, ...
-        raise RuntimeError(
-            f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: {e}). "
-            "Downloading needs internet access (and a token for gated models such as meta-llama/*); "
-            "otherwise pass a local folder with config.json and *.safetensors.") from e
+        raise RuntimeError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: "
+                           f"{e}). Downloading needs internet access (and a token for gated models); otherwise "
+                           "pass a local folder with config.json and *.safetensors.") from e
     return folder
 
 
 def _read_hf_tensors(folder):
-    """All tensors of a HF checkpoint folder: {name: tensor} (safetensors, sharded or not; else .bin)."""
+    """Every tensor of a HF checkpoint folder: model.safetensors(.index.json) or pytorch_model.bin(.index.json)."""
     from safetensors.torch import load_file
-    index = os.path.join(folder, 'model.safetensors.index.json')
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)['weight_map'].values()))
-        files = [os.path.join(folder, s) for s in shards]
+    for name, read in (('model.safetensors', load_file),
+                       ('pytorch_model.bin', lambda p: torch.load(p, map_location='cpu', weights_only=True))):
+        index = os.path.join(folder, name + '.index.json')
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = [os.path.join(folder, s) for s in sorted(set(json.load(f)['weight_map'].values()))]
+        elif os.path.isfile(os.path.join(folder, name)):
+            files = [os.path.join(folder, name)]
+        else:
+            continue
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
             raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
-        out = {}
-        for p in files:
-            out.update(load_file(p))
-        return out
-    if os.path.isfile(os.path.join(folder, 'model.safetensors')):
-        return load_file(os.path.join(folder, 'model.safetensors'))
-    bins = []
-    bin_index = os.path.join(folder, 'pytorch_model.bin.index.json')
-    if os.path.isfile(bin_index):
-        with open(bin_index) as f:
-            bins = [os.path.join(folder, s) for s in sorted(set(json.load(f)['weight_map'].values()))]
-    elif os.path.isfile(os.path.join(folder, 'pytorch_model.bin')):
-        bins = [os.path.join(folder, 'pytorch_model.bin')]
-    if not bins:
-        raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {folder}")
-    out = {}
-    for p in bins:
-        out.update(torch.load(p, map_location='cpu', weights_only=True))
-    return out
-
-
-# buffers / heads some HF checkpoints hold that this model does not use (skipped, never an error)
-_HF_IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias', 'rotary_emb.inv_freq', 'embeddings.position_ids')
-
-
-def _normalise_hf_keys(family, tensors):
-    out = {}
-    for k, v in tensors.items():
-        if family == 'gpt2' and k.startswith('transformer.'):
-            k = k[len('transformer.'):]
-        if family == 'bert':
-            if k.startswith('bert.'):
-                k = k[len('bert.'):]
-            if k.endswith('LayerNorm.gamma'):
-                k = k[:-len('gamma')] + 'weight'
-            if k.endswith('LayerNorm.beta'):
-                k = k[:-len('beta')] + 'bias'
-        out[k] = v
-    return out
+        return {k: v for p in files for k, v in read(p).items()}
+    raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {folder}")
 
 
 def _hf_key_map(config):
-    """{our parameter name: (hf key, transform)} for everything we load from a HF checkpoint."""
-    fam, C, n_layer = config.family, config.n_embd, config.n_layer
-    T = lambda t: t.t()                                          # Conv1D (in, out) -> Linear (out, in)
-    ident = lambda t: t
-    m = {}
-    if fam == 'gpt2':
-        m['transformer.wte.weight'] = ('wte.weight', ident)
-        m['transformer.wpe.weight'] = ('wpe.weight', lambda t: t[:config.block_size])
-        for i in range(n_layer):
-            h, o = f'h.{i}.', f'transformer.h.{i}.'
-            for j, name in enumerate(('q_proj', 'k_proj', 'v_proj')):
-                m[o + f'attn.{name}.weight'] = (h + 'attn.c_attn.weight', lambda t, j=j: t.t()[j * C:(j + 1) * C])
-                m[o + f'attn.{name}.bias'] = (h + 'attn.c_attn.bias', lambda t, j=j: t[j * C:(j + 1) * C])
-            m[o + 'attn.o_proj.weight'] = (h + 'attn.c_proj.weight', T)
-            m[o + 'attn.o_proj.bias'] = (h + 'attn.c_proj.bias', ident)
-            for ln in ('ln_1', 'ln_2'):
-                for p in ('weight', 'bias'):
-                    m[o + f'{ln}.{p}'] = (h + f'{ln}.{p}', ident)
-            for lin in ('c_fc', 'c_proj'):
-                m[o + f'mlp.{lin}.weight'] = (h + f'mlp.{lin}.weight', T)
-                m[o + f'mlp.{lin}.bias'] = (h + f'mlp.{lin}.bias', ident)
+    """{our parameter name: (HF key, transform)} for everything loaded from a HF checkpoint (HF keys after
+    dropping GPT-2's 'transformer.' and BERT's 'bert.' prefixes)."""
+    C, fam = config.n_embd, config.family
+    t, ident = (lambda w: w.t()), (lambda w: w)                    # GPT-2's Conv1D is (in, out)
+    crop = lambda w: w[:config.block_size]
+    names = {'gpt2': dict(attn={'o_proj': ('attn.c_proj', t)}, ln=('ln_1', 'ln_2'),
+                          mlp={'c_fc': ('mlp.c_fc', t), 'c_proj': ('mlp.c_proj', t)},
+                          top={'wte': 'wte', 'wpe': 'wpe', 'ln_f': 'ln_f'}, layer='h.{}.'),
+             'llama': dict(attn={p: (f'self_attn.{p}', ident) for p in ('q_proj', 'k_proj', 'v_proj', 'o_proj')},
+                           ln=('input_layernorm', 'post_attention_layernorm'),
+                           mlp={p: (f'mlp.{p}', ident) for p in ('gate_proj', 'up_proj', 'down_proj')},
+                           top={'wte': 'model.embed_tokens', 'ln_f': 'model.norm'}, layer='model.layers.{}.'),
+             'bert': dict(attn={'q_proj': ('attention.self.query', ident), 'k_proj': ('attention.self.key', ident),
+                                'v_proj': ('attention.self.value', ident),
+                                'o_proj': ('attention.output.dense', ident)},
+                          ln=('attention.output.LayerNorm', 'output.LayerNorm'),
+                          mlp={'c_fc': ('intermediate.dense', ident), 'c_proj': ('output.dense', ident)},
+                          top={'wte': 'embeddings.word_embeddings', 'wpe': 'embeddings.position_embeddings',
+                               'wtt': 'embeddings.token_type_embeddings', 'ln_e': 'embeddings.LayerNorm'},
+                          layer='encoder.layer.{}.')}[fam]
+    m = {f'transformer.{ours}.{p}': (f'{hf}.{p}', crop if ours == 'wpe' else ident)
+         for ours, hf in names['top'].items() for p in ('weight', 'bias')}
+    for i in range(config.n_layer):
+        h, o = names['layer'].format(i), f'transformer.h.{i}.'
         for p in ('weight', 'bias'):
-            m[f'transformer.ln_f.{p}'] = (f'ln_f.{p}', ident)
-        if not config.tie_embeddings:
-            m['lm_head.weight'] = ('lm_head.weight', ident)
-    elif fam == 'llama':
-        m['transformer.wte.weight'] = ('model.embed_tokens.weight', ident)
-        ps = ('weight', 'bias') if config.bias else ('weight',)
-        for i in range(n_layer):
-            h, o = f'model.layers.{i}.', f'transformer.h.{i}.'
-            for name in ('q_proj', 'k_proj', 'v_proj', 'o_proj'):
-                for p in ps:
-                    m[o + f'attn.{name}.{p}'] = (h + f'self_attn.{name}.{p}', ident)
-            for name in ('gate_proj', 'up_proj', 'down_proj'):
-                for p in ps:
-                    m[o + f'mlp.{name}.{p}'] = (h + f'mlp.{name}.{p}', ident)
-            m[o + 'ln_1.weight'] = (h + 'input_layernorm.weight', ident)
-            m[o + 'ln_2.weight'] = (h + 'post_attention_layernorm.weight', ident)
-        m['transformer.ln_f.weight'] = ('model.norm.weight', ident)
-        if not config.tie_embeddings:
-            m['lm_head.weight'] = ('lm_head.weight', ident)
-    else:  # bert
-        e = 'embeddings.'
-        m['transformer.wte.weight'] = (e + 'word_embeddings.weight', ident)
-        m['transformer.wpe.weight'] = (e + 'position_embeddings.weight', lambda t: t[:config.block_size])
-        m['transformer.wtt.weight'] = (e + 'token_type_embeddings.weight', ident)
-        for p in ('weight', 'bias'):
-            m[f'transformer.ln_e.{p}'] = (e + f'LayerNorm.{p}', ident)
-        for i in range(n_layer):
-            h, o = f'encoder.layer.{i}.', f'transformer.h.{i}.'
-            for p in ('weight', 'bias'):
-                m[o + f'attn.q_proj.{p}'] = (h + f'attention.self.query.{p}', ident)
-                m[o + f'attn.k_proj.{p}'] = (h + f'attention.self.key.{p}', ident)
-                m[o + f'attn.v_proj.{p}'] = (h + f'attention.self.value.{p}', ident)
-                m[o + f'attn.o_proj.{p}'] = (h + f'attention.output.dense.{p}', ident)
-                m[o + f'ln_1.{p}'] = (h + f'attention.output.LayerNorm.{p}', ident)
-                m[o + f'mlp.c_fc.{p}'] = (h + f'intermediate.dense.{p}', ident)
-                m[o + f'mlp.c_proj.{p}'] = (h + f'output.dense.{p}', ident)
-                m[o + f'ln_2.{p}'] = (h + f'output.LayerNorm.{p}', ident)
-            # (bias may be absent from our LayerNorms if bias=False; filtered against the model below)
-        for p in ('weight', 'bias'):
-            m[f'pooler.{p}'] = (f'pooler.dense.{p}', ident)
-            if config.num_labels > 0:
-                m[f'classifier.{p}'] = (f'classifier.{p}', ident)
+            if fam == 'gpt2':   # one fused c_attn (in, 3C) -> q, k, v
+                for j, name in enumerate(('q_proj', 'k_proj', 'v_proj')):
+                    m[o + f'attn.{name}.{p}'] = (h + f'attn.c_attn.{p}',
+                                                 lambda w, j=j: (w.t() if w.dim() == 2 else w)[j * C:(j + 1) * C])
+            for ours, (hf, fn) in names['attn'].items():
+                m[o + f'attn.{ours}.{p}'] = (h + f'{hf}.{p}', fn if p == 'weight' else ident)
+            for ours, (hf, fn) in names['mlp'].items():
+                m[o + f'mlp.{ours}.{p}'] = (h + f'{hf}.{p}', fn if p == 'weight' else ident)
+            for ours, hf in zip(('ln_1', 'ln_2'), names['ln']):
+                m[o + f'{ours}.{p}'] = (h + f'{hf}.{p}', ident)
+    m['lm_head.weight'] = ('lm_head.weight', ident)
+    for p in ('weight', 'bias'):
+        m[f'pooler.{p}'], m[f'classifier.{p}'] = (f'pooler.dense.{p}', ident), (f'classifier.{p}', ident)
     return m
 
 
-def _is_core_name(name):
-    return '.attn.core.' in name
+# HF tensors this model does not use: buffers (skipped silently) and heads (skipped with a warning)
+_HF_BUFFERS = ('.attn.bias', '.attn.masked_bias', 'rotary_emb.inv_freq', 'embeddings.position_ids')
 
 
-def _fmt(names, limit=20):
-    names = sorted(names)
-    s = ', '.join(names[:limit])
-    return s + (f', ... ({len(names) - limit} more)' if len(names) > limit else '')
-
-
-def _raise_key_errors(header, missing, unexpected, shape_problems, where=''):
-    """One ValueError naming every missing, unexpected and mis-shaped tensor (nothing when all match)."""
-    if not (missing or unexpected or shape_problems):
-        return
-    msg = [header + ':']
-    if missing:
-        msg.append(f"missing keys{where}: {_fmt(missing)}")
-    if unexpected:
-        msg.append(f"unexpected keys{where}: {_fmt(unexpected)}")
-    if shape_problems:
-        msg.append("shape mismatches: " + '; '.join(shape_problems[:20]))
-    raise ValueError('\n  '.join(msg))
+def _normalise_hf_key(family, k):
+    if family == 'gpt2':
+        k = k.removeprefix('transformer.')
+    if family == 'bert':
+        k = k.removeprefix('bert.').replace('LayerNorm.gamma', 'LayerNorm.weight').replace('LayerNorm.beta',
+                                                                                            'LayerNorm.bias')
+    return k
 
 
 def _load_hf_state(model, tensors, source):
+    """Copy a HF state dict into model; errors name the checkpoint's keys. Allowed to be absent: the
+    attention cores and adapters (new), a classifier requested on a checkpoint without one, and a BERT
+    pooler (checkpoints saved without it; classify() then trains a new one -- with a warning)."""
     cfg = model.config
-    tensors = _normalise_hf_keys(cfg.family, tensors)
-    kmap = _hf_key_map(cfg)
-    own = {k: v for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings and 'lm_head.weight' in own:
-        del own['lm_head.weight']           # tied to transformer.wte.weight
-    expected = {k for k in own if not _is_core_name(k)}
-    allowed_new = set()
-    # a classification head requested on a checkpoint that has none is new (randomly initialised)
-    if cfg.family == 'bert' and cfg.num_labels > 0 and 'classifier.weight' not in tensors:
-        allowed_new |= {'classifier.weight', 'classifier.bias'}
-    # a BERT saved without its pooler (BertModel(add_pooling_layer=False), token-classification and masked-LM
-    # checkpoints): encode() does not need it; classify() gets a newly initialised pooler that finetuning trains
+    tensors = {_normalise_hf_key(cfg.family, k): v for k, v in tensors.items()}
+    kmap, own = _hf_key_map(cfg), _own_tensors(model)
+    expected = {k for k in own if not _is_new(k)}
+    absent_ok = {'classifier.weight', 'classifier.bias'} if 'classifier.weight' not in tensors else set()
     if cfg.family == 'bert' and not any(k.startswith('pooler.') for k in tensors):
-        allowed_new |= {'pooler.weight', 'pooler.bias'}
-        warnings.warn(f"{source}: the checkpoint has no pooler (pooler.dense.*); loaded without it: encode() is "
-                      "unaffected, the pooler used by classify() is newly initialised (N(0, 0.02)) and trains with "
-                      "the classifier")
-    ignored, problems = [], []
-    unmapped = sorted(expected - set(kmap))
-    if unmapped:  # a bug in the key map, not in the checkpoint
-        raise RuntimeError(f"model.py has no HF source for parameters: {_fmt(unmapped)}")
-    missing = sorted(k for k in expected - allowed_new if kmap[k][0] not in tensors)
-    used = {kmap[k][0] for k in expected if kmap[k][0] in tensors}
-    unexpected = []
-    for k in sorted(set(tensors) - used):
-        if k.endswith(_HF_IGNORED_SUFFIXES):
-            continue
-        if cfg.family == 'bert' and k.startswith('cls.'):
-            ignored.append(k)          # BERT pretraining heads (MLM / NSP): not modelled here
-        elif cfg.family == 'bert' and k.startswith('classifier.') and cfg.num_labels == 0:
-            ignored.append(k)          # classification head of a checkpoint loaded with num_labels=0
-        elif k == 'lm_head.weight' and cfg.tie_embeddings:
-            ignored.append(k)          # tied head saved explicitly
-        else:
-            unexpected.append(k)
-    shapes = {}
-    for k in sorted(expected):
-        src = kmap[k][0]
-        if src not in tensors:
-            continue
-        t = kmap[k][1](tensors[src])
-        if tuple(t.shape) != tuple(own[k].shape):
-            problems.append(f"{src} -> {k}: checkpoint {tuple(tensors[src].shape)} gives {tuple(t.shape)}, "
-                            f"model expects {tuple(own[k].shape)}")
-        else:
-            shapes[k] = t
-    _raise_key_errors(f"cannot load {source!r} into a {cfg.family} model", [kmap[k][0] for k in missing],
-                      unexpected, problems, where=' in checkpoint')
+        absent_ok |= {'pooler.weight', 'pooler.bias'}
+        warnings.warn(f"{source}: the checkpoint has no pooler (pooler.dense.*); encode() is unaffected, the "
+                      "pooler of classify() is newly initialised and trains with the classifier")
+    missing = sorted(kmap[k][0] for k in expected - absent_ok if kmap[k][0] not in tensors)
+    used = {kmap[k][0] for k in expected}
+    ignored = [k for k in set(tensors) - used if k.startswith(('cls.', 'classifier.', 'lm_head.'))]
+    unexpected = sorted(set(tensors) - used - set(ignored) - {k for k in tensors if k.endswith(_HF_BUFFERS)})
+    mapped = {k: kmap[k][1](tensors[kmap[k][0]]) for k in expected if kmap[k][0] in tensors}
+    problems = [f"{kmap[k][0]} -> {k}: checkpoint {tuple(tensors[kmap[k][0]].shape)} gives {tuple(t.shape)}, "
+                f"model expects {tuple(own[k].shape)}" for k, t in mapped.items() if t.shape != own[k].shape]
+    _raise_key_errors(f"cannot load {source!r} into a {cfg.family} model", missing, unexpected, problems,
+                      where=' in checkpoint')
     if ignored:
         warnings.warn(f"ignored {len(ignored)} checkpoint tensors this model does not use: {_fmt(ignored, 5)}")
     with torch.no_grad():
-        for k, t in shapes.items():
+        for k, t in mapped.items():
             own[k].copy_(t)
 
 
@@ -932,18 +862,14 @@ _GGUF_TOP_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.nor
 
 
 def gguf_to_hf_name(name, reverse=False):
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (reverse=True: back); names it does
-    not know come back unchanged."""
+    """'blk.3.attn_q.weight' <-> 'model.layers.3.self_attn.q_proj.weight'; unknown names come back unchanged."""
+    layer, top, prefix = _GGUF_LAYER_NAMES, _GGUF_TOP_NAMES, ('blk.', 'model.layers.')
+    if reverse:
+        layer, top, prefix = {v: k for k, v in layer.items()}, {v: k for k, v in top.items()}, prefix[::-1]
     head, _, suffix = name.rpartition('.')
-    if not reverse:
-        parts = head.split('.')
-        if len(parts) == 3 and parts[0] == 'blk' and parts[2] in _GGUF_LAYER_NAMES:
-            return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
-        return f"{_GGUF_TOP_NAMES[head]}.{suffix}" if head in _GGUF_TOP_NAMES else name
-    layer, top = ({v: k for k, v in d.items()} for d in (_GGUF_LAYER_NAMES, _GGUF_TOP_NAMES))
-    if head.startswith('model.layers.'):
-        i, _, rest = head[len('model.layers.'):].partition('.')
-        return f"blk.{i}.{layer[rest]}.{suffix}" if rest in layer else name
+    if head.startswith(prefix[0]):
+        i, _, rest = head[len(prefix[0]):].partition('.')
+        return f"{prefix[1]}{i}.{layer[rest]}.{suffix}" if rest in layer else name
     return f"{top[head]}.{suffix}" if head in top else name
 
 
@@ -954,10 +880,9 @@ def gguf_config_to_kwargs(reader, path):
         if f is None and default is ...:
             raise ValueError(f"{path}: the GGUF metadata has no {key!r}")
         return default if f is None else f.contents()
-    arch = get('general.architecture')
-    if arch != 'llama':
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: 'llama' (Llama 2/3, "
-                         "TinyLlama, SmolLM2, ...)")
+    if get('general.architecture') != 'llama':
+        raise ValueError(f"{path}: GGUF architecture {get('general.architecture')!r} is not supported; "
+                         "supported: 'llama' (Llama 2/3, TinyLlama, SmolLM2, ...)")
     n_embd, n_head = get('llama.embedding_length'), get('llama.attention.head_count')
     n_kv_head, head_dim = get('llama.attention.head_count_kv', n_head), n_embd // n_head
     if not isinstance(n_kv_head, int):
@@ -967,16 +892,10 @@ def gguf_config_to_kwargs(reader, path):
             raise ValueError(f"{path}: llama.{key} = {get('llama.' + key)} is not head_dim = embedding_length / "
                              f"head_count = {head_dim}; only RoPE on the whole head is supported")
     names = {t.name for t in reader.tensors}
-    if 'rope_freqs.weight' in names:
-        raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight: llama.cpp's form of Llama 3.1 "
-                         "rope scaling) are not supported; supported RoPE scaling: none, linear")
     scaling = get('llama.rope.scaling.type', 'none')
-    if scaling not in ('none', 'linear'):
-        raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported; supported: none, linear")
-    if scaling == 'linear':
-        scaling = {'rope_type': 'linear', 'factor': float(get('llama.rope.scaling.factor'))}
-    else:
-        scaling = None
+    if 'rope_freqs.weight' in names or scaling not in ('none', 'linear'):
+        what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)' if scaling == 'none' else repr(scaling)
+        raise ValueError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")
     tokens = reader.fields.get('tokenizer.ggml.tokens')
     vocab = get('llama.vocab_size', None if tokens is None else len(tokens.data))
     if vocab is None:
@@ -985,8 +904,9 @@ def gguf_config_to_kwargs(reader, path):
                 n_layer=get('llama.block_count'), n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                 intermediate_size=get('llama.feed_forward_length'), bias='blk.0.attn_q.bias' in names,
                 norm_eps=float(get('llama.attention.layer_norm_rms_epsilon')),
-                rope_theta=float(get('llama.rope.freq_base', 10000.0)), rope_scaling=scaling,
-                tie_embeddings='output.weight' not in names)
+                rope_theta=float(get('llama.rope.freq_base', 10000.0)), tie_embeddings='output.weight' not in names,
+                rope_scaling={'rope_type': 'linear', 'factor': float(get('llama.rope.scaling.factor'))}
+                if scaling == 'linear' else None)
 
 
 def unpermute_qk(w, n_heads):
@@ -1000,18 +920,15 @@ def unpermute_qk(w, n_heads):
 
 def _read_gguf_tensors(reader, model, path):
     """{HF name: float32 tensor} of a GGUF file, checked against `model` first: every name and shape (reported
-    with GGUF names, as _raise_key_errors does for HF files) and every tensor type."""
+    with GGUF names) and every tensor type."""
     import gguf
     import numpy as np
-    cfg = model.config
-    own = {k: v for k, v in model.state_dict().items() if not _is_core_name(k)}
-    if cfg.tie_embeddings:
-        own.pop('lm_head.weight', None)
-    kmap = _hf_key_map(cfg)
-    expected = {gguf_to_hf_name(kmap[k][0], reverse=True): own[k].shape for k in own}
-    found = {t.name: t for t in reader.tensors}
-    problems = [f"{n}: file {tuple(reversed(found[n].shape.tolist()))} vs model {tuple(s)}"
-                for n, s in expected.items() if n in found and tuple(reversed(found[n].shape.tolist())) != tuple(s)]
+    cfg, kmap = model.config, _hf_key_map(model.config)
+    expected = {gguf_to_hf_name(kmap[k][0], reverse=True): v.shape for k, v in _own_tensors(model).items()
+                if not _is_new(k)}
+    found = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
+    problems = [f"{n}: file {found[n]} vs model {tuple(s)}" for n, s in expected.items()
+                if n in found and found[n] != tuple(s)]
     _raise_key_errors(f"cannot load {path!r} into a llama model", set(expected) - set(found),
                       set(found) - set(expected), problems, where=' in the GGUF file')
     supported = [getattr(gguf.GGMLQuantizationType, t) for t in GGUF_TENSOR_TYPES]
@@ -1021,244 +938,8 @@ def _read_gguf_tensors(reader, model, path):
             raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported types: "
                              f"{', '.join(GGUF_TENSOR_TYPES)}")
         w = np.require(gguf.quants.dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
-        w = torch.from_numpy(w.reshape(tuple(reversed(t.shape.tolist()))))   # (out, in): torch Linear layout
-        if t.name.startswith('blk.') and t.name.split('.')[2] in ('attn_q', 'attn_k'):
+        w = torch.from_numpy(w.reshape(found[t.name]))           # (out, in): torch Linear layout
+        if t.name.split('.')[-2] in ('attn_q', 'attn_k'):
             w = unpermute_qk(w, cfg.n_head if '.attn_q.' in t.name else cfg.n_kv_head)
         out[gguf_to_hf_name(t.name)] = w
     return out
-
-
-def load_gguf(path, **overrides):
-    """A llama.cpp GGUF file -> GPT (family 'llama'): hyperparameters from the metadata, every tensor dequantised
-    to float32 by gguf's reader (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K), q/k rows put back in
-    HF order (unpermute_qk). model.tokenizer is the file's byte-level BPE vocabulary (tokenizer.HFTokenizer); a
-    vocabulary it cannot read (SentencePiece) leaves it None with a warning, so that using the model for text
-    asks for a tokenizer. `overrides` as in GPT.from_pretrained."""
-    import gguf
-    reader = gguf.GGUFReader(path)
-    cfg_kwargs = gguf_config_to_kwargs(reader, path)
-    if overrides.get('family', 'llama') != 'llama':
-        raise ValueError(f"family={overrides['family']!r} does not match the GGUF file ('llama')")
-    cfg_kwargs.update(overrides)
-    model = GPT(GPTConfig(**cfg_kwargs))
-    _load_hf_state(model, _read_gguf_tensors(reader, model, path), path)
-    try:
-        model.tokenizer = tokenizer_lib.HFTokenizer.from_gguf(reader)
-    except tokenizer_lib.TokenizerError as e:
-        warnings.warn(f"{path}: {e}; model.tokenizer is None (give one, e.g. --tokenizer <HF folder>)")
-    return model
-
-
-# -----------------------------------------------------------------------------
-# our own checkpoints
-
-def _atomic_write(path, write_fn):
-    """Write via a temporary file in the same folder, then os.replace (never a half-written file)."""
-    path = os.path.abspath(path)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
-    os.close(fd)
-    try:
-        write_fn(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _model_tensors(model, include=None):
-    """state_dict without the tied lm_head duplicate, as contiguous CPU tensors."""
-    sd = model.state_dict()
-    if model.config.family != 'bert' and model.config.tie_embeddings:
-        sd.pop('lm_head.weight', None)
-    return {k: v.detach().contiguous().cpu() for k, v in sd.items() if include is None or include(k)}
-
-
-def _meta(model):
-    return {'format': CHECKPOINT_FORMAT, 'config': asdict(model.config), 'layers': model.layer_specs}
-
-
-def save_checkpoint(path, model, **extra):
-    """Save config + weights (+ extra, e.g. iter_num, optimizer state) atomically.
-    path ending in .safetensors: a safetensors file whose header holds the config and extra (extra must be
-    JSON-serialisable); any other path: torch.save of {'meta', 'model', 'extra'} (extra may hold tensors).
-    meta['tokenizer'] is the spec of model.tokenizer (tokenizer.py), so that the file carries it."""
-    tensors = _model_tensors(model)
-    meta = _meta(model)
-    meta['tokenizer'] = model.tokenizer.to_spec() if model.tokenizer is not None else None
-    if str(path).endswith('.safetensors'):
-        from safetensors.torch import save_file
-        try:
-            extra_json = json.dumps(extra)
-        except TypeError as e:
-            raise TypeError(f"extra values must be JSON-serialisable for a .safetensors checkpoint ({e}); "
-                            "use a .pt path to store tensors such as optimizer state") from e
-        metadata = {'meta': json.dumps(meta), 'extra': extra_json}
-        _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    else:
-        obj = {'meta': meta, 'model': tensors, 'extra': extra}
-        _atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
-def _read_own_checkpoint(path, map_location='cpu'):
-    if str(path).endswith('.safetensors'):
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-        with safe_open(path, framework='pt') as f:
-            md = f.metadata() or {}
-        if 'meta' not in md:
-            raise ValueError(f"{path} is not a checkpoint written by save_checkpoint (no 'meta' in its header)")
-        return json.loads(md['meta']), load_file(path, device=str(map_location)), json.loads(md.get('extra', '{}'))
-    try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"{path}: extra holds objects torch.load(weights_only=True) refuses ({e})") from e
-    if not isinstance(obj, dict) or 'meta' not in obj or 'model' not in obj:
-        raise ValueError(f"{path} is not a checkpoint written by save_checkpoint")
-    return obj['meta'], obj['model'], obj.get('extra', {})
-
-
-def _strict_load(model, tensors, what, skip=()):
-    """Copy tensors into model; error naming missing / unexpected keys and shape mismatches."""
-    own = _model_tensors_live(model)
-    missing = sorted(set(own) - set(tensors) - set(skip))
-    unexpected = sorted(set(tensors) - set(own))
-    shape = [f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}"
-             for k in sorted(set(own) & set(tensors)) if tuple(own[k].shape) != tuple(tensors[k].shape)]
-    _raise_key_errors(f"cannot load {what}", missing, unexpected, shape)
-    with torch.no_grad():
-        for k, t in tensors.items():
-            own[k].copy_(t)
-
-
-def _model_tensors_live(model):
-    sd = model.state_dict(keep_vars=True)
-    if model.config.family != 'bert' and model.config.tie_embeddings:
-        sd.pop('lm_head.weight', None)
-    return {k: v.data for k, v in sd.items()}
-
-
-_ATTN_FIELDS = ('attn', 'window', 'diag_block', 'window_combine', 'impl', 'attn_options')
-
-
-def _load_own_checkpoint(path, overrides=None, map_location='cpu'):
-    meta, tensors, extra = _read_own_checkpoint(path, map_location)
-    cfg = dict(meta['config'])
-    overrides = dict(overrides or {})
-    cfg.update(overrides)
-    model = GPT(GPTConfig(**cfg))
-    if any(k in overrides for k in _ATTN_FIELDS):
-        # new attention requested: the checkpoint's own attention parameters are dropped
-        tensors = {k: v for k, v in tensors.items() if not _is_core_name(k)}
-        skip = [k for k in _model_tensors_live(model) if _is_core_name(k)]
-    else:
-        model._apply_layer_specs(meta.get('layers') or model.layer_specs)
-        skip = ()
-    _strict_load(model, tensors, f"checkpoint {path}", skip)
-    if meta.get('tokenizer'):
-        model.tokenizer = tokenizer_lib.load_tokenizer(meta['tokenizer'])
-    return model, extra
-
-
-def load_checkpoint(path, map_location='cpu'):
-    """Load a save_checkpoint file -> (model, extra). Strict: every key and shape must match.
-    A save_new_parameters folder also works: its base model is loaded and the new parameters put in
-    (extra is then the manifest's extra)."""
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, MANIFEST_FILE)) or \
-                read_manifest(path).get('format') != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is a folder but not one written by save_new_parameters "
-                             f"(no {MANIFEST_FILE} with format {CHECKPOINT_FORMAT!r})")
-        return load_new_parameters(path, None, map_location), read_manifest(path).get('extra', {})
-    return _load_own_checkpoint(path, None, map_location)
-
-
-# -----------------------------------------------------------------------------
-# converted models saved as only their new parameters
-
-NEW_PARAMS_FILE = 'new_parameters.safetensors'
-MANIFEST_FILE = 'manifest.json'
-
-
-def is_new_parameter(name):
-    """Default filter for save_new_parameters: the attention cores' tensors (feature maps, window factors)."""
-    return _is_core_name(name)
-
-
-def save_new_parameters(path, model, base_model_name, include=None, **extra):
-    """Save only the parameters a conversion added (default: everything inside the attention cores;
-    pass include=lambda name: ... to add e.g. LoRA weights) to folder `path`:
-    path/new_parameters.safetensors and path/manifest.json = {base_model, config, layers, parameters, extra,
-    tokenizer}. base_model_name is what load_new_parameters rebuilds the base from (a hub name, a HF folder, or
-    one of our checkpoint files). model.tokenizer goes to path/tokenizer_spec.json, named with its fingerprint
-    in the manifest. Files are written atomically (manifest last)."""
-    from safetensors.torch import save_file
-    include = include or is_new_parameter
-    tensors = _model_tensors(model, include)
-    if not tensors:
-        raise ValueError("no parameters match `include`: nothing new to save (is the model still softmax?)")
-    manifest = dict(format=CHECKPOINT_FORMAT, base_model=str(base_model_name), config=asdict(model.config),
-                    layers=model.layer_specs, parameters={k: list(v.shape) for k, v in tensors.items()},
-                    extra=extra)
-    json.dumps(manifest)  # fail before writing anything if extra is not JSON-serialisable
-    os.makedirs(path, exist_ok=True)
-    _atomic_write(os.path.join(path, NEW_PARAMS_FILE), lambda tmp: save_file(tensors, tmp))
-    manifest['tokenizer'] = tokenizer_lib.save_spec(path, model.tokenizer)
-    _atomic_write(os.path.join(path, MANIFEST_FILE),
-                  lambda tmp: open(tmp, 'w').write(json.dumps(manifest, indent=2)))
-
-
-def read_manifest(path):
-    with open(os.path.join(path, MANIFEST_FILE)) as f:
-        return json.load(f)
-
-
-def load_new_parameters(path, model=None, map_location='cpu'):
-    """Load a save_new_parameters folder strictly into `model` (which must have the same attention layers
-    as the manifest; add LoRA adapters etc. before loading) and return the model. With model=None the base
-    model named in the manifest is loaded first (GPT.from_pretrained) and given the manifest's attention.
-    Errors name missing keys (new parameters of the model absent from the file), unexpected keys (in the
-    file but not in the model) and shape mismatches. The saved tokenizer is attached (model.tokenizer); a base
-    whose own tokenizer is not the one saved is an error."""
-    from safetensors.torch import load_file
-    manifest = read_manifest(path)
-    tensors = load_file(os.path.join(path, NEW_PARAMS_FILE), device=str(map_location))
-    if sorted(tensors) != sorted(manifest['parameters']):
-        raise ValueError(f"{path}: {NEW_PARAMS_FILE} does not hold the parameters its manifest lists")
-    if model is None:
-        cfg = manifest['config']
-        model = GPT.from_pretrained(manifest['base_model'], **{k: cfg[k] for k in _ATTN_FIELDS if k in cfg})
-        model._apply_layer_specs(manifest['layers'])
-    specs = [GPT.spec_from_dict(s) for s in manifest['layers']]
-    if specs != model.layer_specs:
-        diff = [i for i, (a, b) in enumerate(zip(specs, model.layer_specs)) if a != b]
-        if len(specs) != len(model.layer_specs):
-            diff = f"{len(specs)} layers in the manifest vs {len(model.layer_specs)} in the model"
-        raise ValueError(f"attention layers of the model differ from the manifest in {path} (layers {diff}): "
-                         f"manifest {[specs[i] for i in diff][:2] if isinstance(diff, list) else ''} vs model "
-                         f"{[model.layer_specs[i] for i in diff][:2] if isinstance(diff, list) else ''}; "
-                         "use model.set_attention(...) first")
-    own = _model_tensors_live(model)
-    missing = sorted(k for k in own if is_new_parameter(k) and k not in tensors)
-    unexpected = sorted(set(tensors) - set(own))
-    if missing or unexpected:
-        msg = [f"cannot load new parameters from {path} into this model:"]
-        if missing:
-            msg.append(f"missing keys: {_fmt(missing)}")
-        if unexpected:
-            msg.append(f"unexpected keys: {_fmt(unexpected)} (add adapters such as LoRA to the model first)")
-        raise ValueError('\n  '.join(msg))
-    _strict_load_subset(own, tensors, path)
-    return tokenizer_lib.attach_saved(path, manifest.get('tokenizer'), model)
-
-
-def _strict_load_subset(own, tensors, what):
-    shape = [f"{k}: file {tuple(t.shape)} vs model {tuple(own[k].shape)}"
-             for k, t in tensors.items() if tuple(own[k].shape) != tuple(t.shape)]
-    if shape:
-        raise ValueError(f"cannot load {what}: shape mismatches: " + '; '.join(shape[:20]))
-    with torch.no_grad():
-        for k, t in tensors.items():
-            own[k].copy_(t)

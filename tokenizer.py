@@ -7,7 +7,6 @@
     tok.name, tok.vocab_size, tok.eos_id (or None), tok.encode_array(text) (int64 numpy)
     tok.to_spec(), tok.fingerprint # JSON that rebuilds it offline (checkpoints store it), and its sha256
     tok = resolve(model, source)   # for a model: source if given, else its own, else by vocab_size; must fit
-    entry = save_spec(folder, tok); attach_saved(folder, entry, model)   # a tokenizer beside a saved folder
 
 Training from scratch uses 'bytes': one command, one model everywhere ('gpt2' needs tiktoken's downloaded
 files; without them it is an error, never bytes). `HFTokenizer` is HF's `tokenizers`: a tokenizer.json, a BERT
@@ -229,28 +228,3 @@ def resolve(model, source=None):
                              "its ids would be out of range (pass the model's own tokenizer with --tokenizer)")
     return tok
 
-
-def save_spec(folder, tok):
-    """Write tok's spec to folder/tokenizer_spec.json; returns the manifest entry (None for no tokenizer)."""
-    if tok is not None:
-        with open(os.path.join(folder, 'tokenizer_spec.json'), 'w') as f:
-            json.dump(tok.spec, f, ensure_ascii=False)
-        return {'name': tok.name, 'fingerprint': tok.fingerprint, 'file': 'tokenizer_spec.json'}
-
-
-def attach_saved(folder, entry, model):
-    """Give `model` (a base rebuilt from a saved folder) the tokenizer save_spec wrote there, checked against
-    the entry's fingerprint (None: nothing to do). A base with a tokenizer must still have the one the folder
-    was saved against (entry['base_fingerprint'] if recorded, else the saved one): else the base changed."""
-    if not entry:
-        return model
-    with open(os.path.join(folder, entry['file'])) as f:
-        tok = load_tokenizer(json.load(f))
-    then, now = entry.get('base_fingerprint', entry['fingerprint']), getattr(model.tokenizer, 'fingerprint', None)
-    if tok.fingerprint != entry['fingerprint']:
-        raise TokenizerError(f"{folder}/{entry['file']} does not match the manifest's fingerprint (it was changed)")
-    if now is not None and now != then:
-        raise TokenizerError(f"{folder}: the base model's tokenizer ({model.tokenizer.name}, fingerprint {now[:12]}) "
-                             f"is not the one this folder was saved with ({(then or 'none')[:12]}): the base changed")
-    model.tokenizer = tok
-    return model

@@ -1,34 +1,19 @@
 """
 Train a small GPT whose attention is softmax or a linear feature map (attention.py), nanoGPT style.
 
-    python train.py --attn hedgehog                 # associative recall (the default task, no download)
-    python train.py --attn=elu --max_iters 500      # --flag value and --flag=value both work
-    python train.py --task mqar --n_queries 8       # multi-query associative recall
+    python train.py --attn hedgehog                  # associative recall (the default task, no download)
+    python train.py --attn lolcats:feature_dim=16:window=16:combine=mix   # options go in --attn
     python train.py --task text --data ../shared/data/tinyshakespeare/input.txt
     python train.py --task glue --glue_task cola --data ../shared/data/cola --init_from <HF BERT folder>
-    python train.py --compare softmax,taylor,hedgehog,elu,performer,cosformer,exp:t=1,exp:t=2 --ar_vocab 128 --max_iters 2000
-    torchrun --nproc_per_node=2 train.py ...        # DDP (NCCL on GPUs, gloo on CPU)
-    python train.py --help                          # every flag with its default
+    python train.py --compare softmax,hedgehog,elu,exp:t=2 --ar_vocab 128 --max_iters 2000
+    torchrun --nproc_per_node=2 train.py ...         # DDP (NCCL on GPUs, gloo on CPU)
 
-Tasks and their metric:
-- ar / mqar: associative recall (Hedgehog App. B.1, zoology MQAR): key-value pairs then query keys; loss and
-  accuracy at the query positions only. Test accuracy, plus the mean attention entropy of the trained model.
-- text: language modelling on a text file / folder of .txt files / `datasets` name. Perplexity.
-- glue: sequence classification (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE) from local TSV/CSV/JSONL
-  files or `datasets` GLUE. The task's metric (MCC, accuracy, F1, Pearson/Spearman).
+In reading order: `parse_config` (the dataclass -> argparse helper of the three scripts) and TrainConfig; data:
+associative recall (Hedgehog App. B.1, zoology's MQAR), text and `perplexity`, GLUE, attention entropy (Hedgehog
+Fig. 4); `fit`, the one training loop (convert.py's too); `train`: config -> data -> model -> fit -> metrics.
 
-The loop: AdamW (decay on 2-D weights), linear warmup + cosine decay, gradient accumulation, bf16/fp16
-autocast on CUDA, atomic checkpoints (out_dir/ckpt.pt) that --resume continues exactly, a stop with a
-clear message on a non-finite loss (the last good checkpoint is kept), and out_dir/summary.json (config +
-final metrics) at the end. Per-step losses go to out_dir/log.jsonl.
-
-Scratch models (the default) differ from nanoGPT's in two measured ways (README, "Training"): a 2-tap causal
-convolution on the keys (--short_conv, as in H3 / Based), without which no linear map learned associative
-recall in our runs while softmax did; and embeddings N(0, 1), other weights N(0, 0.08), untied output head
-(with nanoGPT's 0.02 softmax does not learn recall without that convolution).
-
-The data helpers (make_associative_recall, load_text, load_glue, glue_metric, ...) are plain
-functions that other scripts import.
+Scratch models differ from nanoGPT's as measured (README): a 2-tap causal conv on the keys (--short_conv, H3 / Based),
+without which no linear map learned recall; N(0, 1) embeddings, N(0, 0.08) weights, an untied head (--init wide).
 """
 
 import argparse
@@ -36,188 +21,129 @@ import contextlib
 import csv
 import glob
 import inspect
+import itertools
 import json
 import math
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from types import SimpleNamespace
+from typing import Literal, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
 import attention
 import tokenizer as tokenizer_lib
-from model import GPT, GPTConfig, _read_own_checkpoint, hf_config_to_kwargs, load_checkpoint, save_checkpoint
+import model as M
+from model import GPT, GPTConfig
 
-TASKS = ('ar', 'mqar', 'text', 'glue')
-TEST_SEED_OFFSET = 1_000_003   # AR test sequences use seed + this: a stream disjoint from the train seed's
 NONFINITE_EXIT = 3             # exit status of a run stopped by a non-finite loss
+BETAS = (0.9, 0.99)            # AdamW's betas (nanoGPT's beta2 0.95 -> 0.99: small models, short runs)
+GRAD_CLIP = 1.0                # gradient-norm clipping (nanoGPT)
+EVAL_ITERS = 8                 # batches per split in estimate_loss
+N_TEST = 2000                  # associative recall test sequences, from seed + TEST_SEED_OFFSET:
+TEST_SEED_OFFSET = 1_000_003   # a stream disjoint from the training seed's
+INIT_STDS = {'wide': (0.08, 1.0), 'nanogpt': (0.02, 0.02)}   # scratch init std: (Linear weights, embeddings)
+GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 = regression))
+    'cola': (('sentence',), (), 2), 'sst2': (('sentence',), (), 2),
+    'mrpc': (('sentence1', '#1 String'), ('sentence2', '#2 String'), 2), 'stsb': (('sentence1',), ('sentence2',), 1),
+    'qqp': (('question1',), ('question2',), 2), 'mnli': (('premise', 'sentence1'), ('hypothesis', 'sentence2'), 3),
+    'qnli': (('question',), ('sentence',), 2), 'rte': (('sentence1',), ('sentence2',), 2)}
 
 
 # -----------------------------------------------------------------------------
-# configuration: one dataclass, its fields are the command-line flags
+# the command line: a dataclass whose fields are the flags
 
-@dataclass
-class TrainConfig:
-    # task and data
-    task: str = 'ar'              # ar | mqar | text | glue
-    data: str = ''                # text: a file, a folder of .txt files or a `datasets` name ('wikitext:wikitext-103-raw-v1');
-                                  # glue: a folder (or file) of TSV/CSV/JSONL; '' = `datasets` GLUE (online)
-    glue_task: str = 'cola'       # cola sst2 mrpc stsb qqp mnli qnli rte
-    ar_vocab: int = 40            # associative recall vocabulary (keys = first half, values = second half)
-    seq_len: int = 128            # AR sequence length; text/GLUE context length
-    n_train: int = 10000          # AR training sequences
-    n_test: int = 2000            # AR test sequences
-    n_queries: int = 0            # queries per AR sequence (0: 1 for ar, 8 for mqar)
-    label_repeats: bool = True    # AR training data: also label every context key that repeats an earlier one
-    val_fraction: float = 0.1     # text: the held-out tail used for validation (local files)
-    # model
-    init_from: str = 'scratch'    # scratch | a HF folder or hub name | a .gguf file | one of our checkpoint files
-    tokenizer: str = ''           # text/glue: a HF folder or .gguf file whose tokenizer replaces the model's own
-    family: str = 'llama'         # gpt2 | llama | bert (scratch models; glue defaults to bert)
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    bias: bool = True
-    init_std: float = 0.08        # scratch models: N(0, init_std) Linear weights (residual projections / sqrt(2 n_layer))
-    emb_init_std: float = 1.0     # scratch models: N(0, emb_init_std) embeddings, untied head (README: the init notes)
-    short_conv: int = 2           # scratch causal models: taps of a causal depthwise conv on the keys (0 = none; see model.py)
-    attn: str = 'hedgehog'        # softmax or a feature map; 'exp:t=2' style options allowed
-    feature_dim: int = 0          # feature-map size for maps that have one (0 = the map's default)
-    temperature: float = 1.0      # the exp map's t
-    window: int = 0               # > 0: sliding-window softmax + linear hybrid (LoLCATs)
-    window_combine: str = 'joint' # the window hybrid's form: joint (one normalisation) | mix (LoLCATs workshop Eq. 8)
-    diag_block: int = 0           # > 0: block-diagonal softmax + linear (LLN+Diag)
-    impl: str = 'chunked'         # linear attention implementation: quadratic | chunked | recurrent
-    # optimisation
-    max_iters: int = 1000
-    lr_decay_iters: int = 0       # end of the cosine decay (0 = max_iters)
-    batch_size: int = 32          # per process, per micro-step
-    grad_accum: int = 1           # micro-steps per optimizer step, over all processes (DDP divides it)
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_iters: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0        # 0 = no clipping
-    # evaluation, logging, I/O
-    eval_interval: int = 250
-    eval_iters: int = 8           # batches per split in estimate_loss
-    log_interval: int = 100
-    out_dir: str = 'out'
-    save: bool = True             # write out_dir/ckpt.pt at every evaluation and at the end
-    resume: bool = False          # continue from out_dir/ckpt.pt
-    seed: int = 1337
-    device: str = 'auto'          # auto | cpu | cuda | cuda:N
-    dtype: str = 'auto'           # auto (bf16 on CUDA if supported, else fp16; fp32 on CPU) | float32 | bfloat16 | float16
-    compile: bool = False         # torch.compile the model (off by default, and slow to start on CPU)
-    threads: int = 0              # torch CPU threads (0 = torch's default), as convert.py and eval.py have
-    compare: str = ''             # comma-separated maps: train one model per map, same budget and seeds, print a table
-
-
-def _str2bool(s):
-    if isinstance(s, bool):
-        return s
-    v = str(s).strip().lower()
-    if v in ('1', 'true', 'yes', 'y', 'on'):
-        return True
-    if v in ('0', 'false', 'no', 'n', 'off'):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
-
-
-def _field_help():
-    """{field: its inline comment in TrainConfig's source} for --help."""
-    helps, last = {}, None
-    for line in inspect.getsource(TrainConfig).splitlines():
+def _comments(cls):
+    """{field: its comment in cls's source, continued on comment-only lines aligned with it}: the flags' help."""
+    helps, last, col = {}, None, -1
+    for line in inspect.getsource(cls).splitlines():
         code, _, comment = line.partition('#')
         if ':' in code and '=' in code:
-            last = code.split(':')[0].strip()
+            last, col = code.split(':')[0].strip(), len(code)
             helps[last] = comment.strip()
-        elif not code.strip() and comment and last in helps and line.startswith(' ' * 10):
+        elif last and not code.strip() and len(code) == col:
             helps[last] += ' ' + comment.strip()
         else:
             last = None
     return helps
 
 
-def build_parser():
-    p = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0].strip() + ' Every flag is a TrainConfig field.',
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    helps = _field_help()
-    for f in fields(TrainConfig):
-        default = f.default
-        name = '--' + f.name
-        if isinstance(default, bool):
-            p.add_argument(name, nargs='?', const=True, default=default, type=_str2bool, metavar='BOOL',
-                           help=(helps.get(f.name) or f.name) + f' (--{f.name} / --no-{f.name} / --{f.name}=false)')
-            p.add_argument('--no_' + f.name, '--no-' + f.name, dest=f.name, action='store_false',
-                           help=argparse.SUPPRESS)
+def parse_config(cls, argv=None, doc=None):
+    """argv -> (a `cls` instance, the set of field names given explicitly), for any dataclass whose fields
+    have defaults (TrainConfig; convert.py's and eval.py's configs too). Each field is a flag, `--name value`
+    or `--name=value`; a bool is `--name` / `--no_name`; a Literal[...] field takes only its values; the help
+    is the field's comment, `doc` heads --help. A bad value, an unknown flag or a ValueError from the class's
+    __post_init__ (where checks across fields go) is a one-line error and exit status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    helps, types = _comments(cls), get_type_hints(cls)
+    fmt = type('Help', (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter), {})
+    p = argparse.ArgumentParser(description=doc, formatter_class=fmt, allow_abbrev=False)
+    for f in fields(cls):
+        t, h = types[f.name], (helps.get(f.name) or f.name).replace('%', '%%')
+        if t is bool:
+            p.add_argument('--' + f.name, action='store_true', default=f.default, help=f"{h}; --no_{f.name}: off")
+            p.add_argument('--no_' + f.name, dest=f.name, action='store_false', help=argparse.SUPPRESS)
         else:
-            choices = {'task': TASKS, 'family': ('gpt2', 'llama', 'bert'),
-                       'impl': attention.IMPLS, 'window_combine': attention.WINDOW_COMBINES}.get(f.name)
-            p.add_argument(name, type=type(default), default=default, choices=choices, metavar=f.name.upper(),
-                           help=(helps.get(f.name) or f.name) + (
-                               f"; one of: {', '.join(attention.ATTN_CHOICES)}" if f.name == 'attn' else ''))
-    return p
+            choices = get_args(t) if get_origin(t) is Literal else None
+            p.add_argument('--' + f.name, type=type(choices[0]) if choices else t, choices=choices,
+                           default=f.default, help=h)
+    ns = p.parse_args(argv)
+    try:
+        cfg = cls(**vars(ns))
+    except ValueError as e:
+        p.error(str(e))
+    given = {a[2:].split('=')[0] for a in argv if a.startswith('--')}
+    return cfg, {g[3:] if g.startswith('no_') and g[3:] in vars(ns) else g for g in given}
 
 
-def parse_attn_spec(spec):
-    """'exp:t=2' / 'hedgehog:feature_dim=64' -> ('exp', {'temperature': 2.0}). Unknown names raise ValueError."""
-    name, _, rest = spec.strip().partition(':')
-    if name not in attention.ATTN_CHOICES:
-        raise ValueError(f"unknown attention map {name!r}; choose one of: {', '.join(attention.ATTN_CHOICES)}")
-    opts = {}
-    for item in filter(None, rest.split(':')):
-        key, eq, val = item.partition('=')
-        if not eq:
-            raise ValueError(f"bad map option {item!r} in {spec!r}: expected key=value")
-        key = {'t': 'temperature', 'f': 'feature_dim'}.get(key, key)
-        try:
-            val = json.loads(val)
-        except ValueError:
-            pass
-        opts[key] = val
-    return name, opts
+@dataclass
+class TrainConfig:
+    task: Literal['ar', 'mqar', 'text', 'glue'] = 'ar'   # ar: one query at the end, mqar: eight
+    data: str = ''                # text: a file, a folder of .txt files or a `datasets` name; glue: a folder
+    glue_task: Literal[tuple(GLUE_TASKS)] = 'cola'
+    ar_vocab: int = 40            # associative recall vocabulary (keys = first half, values = second half)
+    seq_len: int = 128            # AR sequence length; text/GLUE context length
+    n_train: int = 10000          # AR training sequences (and 2000 test sequences)
+    init_from: str = 'scratch'    # scratch | a HF folder or hub name | a .gguf file | one of our checkpoints
+    tokenizer: str = ''           # text/glue: '' = bytes or the model's own | gpt2 (tiktoken) | HF folder, .gguf
+    family: Literal['gpt2', 'llama', 'bert'] = 'llama'   # scratch models (glue: bert unless given)
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    init: Literal[tuple(INIT_STDS)] = 'wide'   # scratch: N(0, 0.08) weights, N(0, 1) embeddings | all N(0, 0.02)
+    short_conv: int = 2           # scratch causal models: taps of a causal conv on the keys (0 = none; model.py)
+    attn: str = 'hedgehog'        # softmax or a feature map, with options: exp:t=2, hedgehog:feature_dim=64,
+                                  # lolcats:window=64:combine=mix, lln:diag_block=16, elu:impl=recurrent
+    # optimisation: AdamW, warmup then cosine decay to lr/10 at max_iters, gradient clipping at norm 1 (constants)
+    max_iters: int = 1000
+    batch_size: int = 32          # per process, per micro-step
+    grad_accum: int = 1           # micro-steps per optimizer step, over all processes (DDP divides it)
+    lr: float = 3e-3
+    warmup_iters: int = 100
+    weight_decay: float = 0.1
+    eval_interval: int = 250      # evaluate and write out_dir/ckpt.pt every this many steps and at the end
+    out_dir: str = 'out'
+    save: bool = True             # write out_dir/ckpt.pt
+    resume: bool = False          # continue exactly from out_dir/ckpt.pt
+    seed: int = 1337
+    device: str = 'auto'          # auto | cpu | cuda | cuda:N
+    dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'   # auto: bf16 (or fp16) on CUDA, else fp32
+    compare: str = ''             # comma-separated --attn values: one run each (same budget, seeds), one table
+    val_fraction = 0.1            # not a flag: text's held-out tail of a local file or folder
+    min_lr_ratio = 0.1            # not a flag: the cosine decays to lr / 10 at max_iters (nanoGPT)
 
-
-def parse_args(argv=None):
-    """argv -> (TrainConfig, set of the flags given explicitly). Errors exit with status 2."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    cfg = TrainConfig(**vars(ns))
-    given = set()
-    for a in (argv if argv is not None else sys.argv[1:]):
-        if a.startswith('--'):
-            key = a[2:].split('=', 1)[0].replace('-', '_')
-            given.add(key[3:] if key.startswith('no_') and key[3:] in vars(ns) else key)
-    specs = [cfg.attn] + ([s for s in cfg.compare.split(',') if s.strip()] if cfg.compare else [])
-    for s in specs:
-        try:
-            parse_attn_spec(s)
-        except ValueError as e:
-            parser.error(str(e))
-    return cfg, given
-
-
-def map_options(cfg, name, extra=None):
-    """Feature-map options for map `name` from the config (only the ones its class takes) + explicit extras."""
-    if name == 'softmax':
-        return dict(extra or {})
-    params = inspect.signature(attention.FEATURE_MAPS[name].__init__).parameters
-    opts = {}
-    if cfg.feature_dim and 'feature_dim' in params:
-        opts['feature_dim'] = cfg.feature_dim
-    if 'temperature' in params:
-        opts['temperature'] = cfg.temperature
-    opts.update(extra or {})
-    return opts
+    def __post_init__(self):
+        for spec in [self.attn] + [s for s in self.compare.split(',') if s.strip()]:
+            attention.AttnSpec.parse(spec)
+        if self.device not in ('auto', 'cpu', 'cuda') and not self.device.startswith('cuda:'):
+            raise ValueError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
 
 
 # -----------------------------------------------------------------------------
@@ -227,10 +153,9 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     """n sequences (x, y), LongTensors (n, seq_len). Keys are tokens 0..vocab/2-1, values vocab/2..vocab-1;
     every sequence has its own random key->value map (a random permutation). x = k1 v1 k2 v2 ... (keys drawn
     uniformly, with repeats) filling the first seq_len - n_queries positions, then n_queries query keys,
-    each one that appeared with its value in the context. y = -100 everywhere except at the query positions,
-    where it is the query key's value. (If seq_len - n_queries is odd, the context ends with a lone key.)
-    label_repeats=True also labels every context key that repeats an earlier key with its value: each such
-    key is a query too (a dense training signal; the queries at the end are unchanged)."""
+    each one that appeared with its value in the context (if seq_len - n_queries is odd, the context ends with
+    a lone key). y = -100 except at the queries: their values; label_repeats=True also labels every context
+    key that repeats an earlier one with its value (a dense training signal)."""
     if vocab < 4 or vocab % 2:
         raise ValueError(f"vocab must be even and >= 4, got {vocab}")
     ctx_len = seq_len - n_queries
@@ -249,247 +174,189 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     y = torch.full_like(x, -100)
     y[:, ctx_len:] = torch.gather(kv_map, 1, queries)
     if label_repeats:
-        kp = keys[:, :n_pairs]
         seen = torch.zeros(n, nk, dtype=torch.bool)
         for i in range(n_pairs):   # the key at pair i was seen (with its value) in an earlier pair
-            k = kp[:, i]
+            k = keys[:, i]
             rep = seen[torch.arange(n), k]
             y[rep, 2 * i] = vals[rep, i]
             seen[torch.arange(n), k] = True
     return x, y
 
 
-def ar_datasets(cfg):
-    nq = cfg.n_queries or (8 if cfg.task == 'mqar' else 1)
-    train_seed, test_seed = cfg.seed, cfg.seed + TEST_SEED_OFFSET
-    assert train_seed != test_seed
-    train = make_associative_recall(cfg.n_train, cfg.seq_len, cfg.ar_vocab, train_seed, nq, cfg.label_repeats)
-    test = make_associative_recall(cfg.n_test, cfg.seq_len, cfg.ar_vocab, test_seed, nq)
-    return train, test
+# -----------------------------------------------------------------------------
 
 
 # -----------------------------------------------------------------------------
-# text: tokenizer, loading, batches
+# text: tokenizer, data, perplexity
 
-
-def run_tokenizer(cfg, model=None, verbose=True):
-    """The tokenizer of a text or GLUE run (None for associative recall): --tokenizer if given; for a model
-    trained from scratch (model=None) bytes (tiktoken's gpt2 only with --tokenizer gpt2); else the
-    model's own (its checkpoint's, HF folder's or GGUF file's), or the project tokenizer matching its vocab_size.
-    Anything else -- or a tokenizer with more ids than the model's vocabulary -- is an error."""
-    if cfg.task not in ('text', 'glue'):
-        return None
-    if model is None:
-        tok = tokenizer_lib.load_tokenizer(cfg.tokenizer or 'bytes')
+def get_tokenizer(name='', model=None, verbose=True):
+    """A run's tokenizer: `name` (tokenizer.load_tokenizer: 'bytes', 'gpt2', a HF folder or .gguf file) if
+    given, else `model`'s own (tokenizer.resolve), else bytes -- from scratch, one command, one model on every
+    machine. Checked to fit `model`."""
+    if model is not None:
+        tok = tokenizer_lib.resolve(model, name or None)
     else:
-        tok = tokenizer_lib.resolve(model, cfg.tokenizer or None)
+        tok = tokenizer_lib.load_tokenizer(name or 'bytes')
     if verbose:
-        src = ('--tokenizer' if cfg.tokenizer else 'default' if model is None else
-               "the model's" if model.tokenizer is tok else 'by vocab_size')
-        print(f"tokenizer: {tok.name}, vocab {tok.vocab_size} ({src})")
+        print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}")
     return tok
 
 
 def load_text(path_or_name, split='train'):
     """A text file, a folder of .txt files (sorted, recursive, joined by blank lines) or a HF `datasets`
-    name ('wikitext:wikitext-103-raw-v1' = name:config; needs internet or the HF cache) -> str.
-    `split` only applies to `datasets` names."""
+    name ('wikitext:wikitext-103-raw-v1' = name:config; needs internet or the HF cache; `split` is its)."""
     if not path_or_name:
         raise ValueError("--data is empty: give a text file, a folder of .txt files or a datasets name")
-    if os.path.isfile(path_or_name):
-        with open(path_or_name, encoding='utf-8', errors='replace') as f:
-            return f.read()
-    if os.path.isdir(path_or_name):
-        files = sorted(glob.glob(os.path.join(path_or_name, '**', '*.txt'), recursive=True))
-        if not files:
-            raise ValueError(f"no .txt files under {path_or_name}")
-        parts = []
-        for fn in files:
-            with open(fn, encoding='utf-8', errors='replace') as f:
-                parts.append(f.read())
-        return '\n\n'.join(parts)
+    files = sorted(glob.glob(os.path.join(path_or_name, '**', '*.txt'), recursive=True)) \
+        if os.path.isdir(path_or_name) else [path_or_name] if os.path.isfile(path_or_name) else None
+    if files == []:
+        raise ValueError(f"no .txt files under {path_or_name}")
+    if files:
+        return '\n\n'.join(open(fn, encoding='utf-8', errors='replace').read() for fn in files)
     name, _, config = path_or_name.partition(':')
     try:
         import datasets
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:
-        raise ValueError(f"{path_or_name!r} is not a local file or folder, and loading it with "
-                         f"datasets.load_dataset failed ({type(e).__name__}: {str(e)[:200]}); offline, "
-                         f"pass a local text file or folder with --data") from None
-    col = 'text' if 'text' in ds.column_names else ds.column_names[0]
-    return '\n'.join(ds[col])
+        raise ValueError(f"{path_or_name!r} is not a local file or folder, and loading it with datasets."
+                         f"load_dataset failed ({type(e).__name__}: {str(e)[:200]}); offline, pass a local text "
+                         "file or folder with --data") from None
+    return '\n'.join(ds['text' if 'text' in ds.column_names else ds.column_names[0]])
 
 
 def text_splits(cfg, tok):
-    """(train_ids, val_ids) int64 numpy arrays."""
-    local = os.path.exists(cfg.data)
-    if local:
-        ids = tok.encode_array(load_text(cfg.data))
-        n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 2)
-        if len(ids) - n_val < cfg.seq_len + 2:
-            raise ValueError(f"{cfg.data}: {len(ids)} tokens is too little text for seq_len={cfg.seq_len}")
-        return ids[:-n_val], ids[-n_val:]
-    train = tok.encode_array(load_text(cfg.data, 'train'))
-    try:
-        val = tok.encode_array(load_text(cfg.data, 'validation'))
-    except ValueError:
-        val = tok.encode_array(load_text(cfg.data, 'test'))
-    return train, val
+    """(train_ids, val_ids) int64 arrays of cfg.data: a local file or folder's last cfg.val_fraction is the
+    validation text; a `datasets` name has its own validation split."""
+    if not os.path.exists(cfg.data):
+        return tuple(tok.encode_array(load_text(cfg.data, split)) for split in ('train', 'validation'))
+    ids = tok.encode_array(load_text(cfg.data))
+    n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 2)
+    if len(ids) - n_val < cfg.seq_len + 2:
+        raise ValueError(f"{cfg.data}: {len(ids)} tokens is too little text for seq_len={cfg.seq_len}")
+    return ids[:-n_val], ids[-n_val:]
 
 
 def get_text_batch(ids, offsets, seq_len):
     """Windows of ids starting at offsets -> (x, y) LongTensors (len(offsets), seq_len), y = x shifted by one."""
-    idx = np.asarray(offsets)[:, None] + np.arange(seq_len + 1)[None, :]
-    w = torch.from_numpy(ids[idx].astype(np.int64))
+    w = torch.from_numpy(ids[np.asarray(offsets)[:, None] + np.arange(seq_len + 1)].astype(np.int64))
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
-# -----------------------------------------------------------------------------
-# GLUE: loading and metrics
+def ppl_windows(n_tokens, context, stride):
+    """Sliding windows over the n_tokens-1 next-token predictions: (begin, end, n_new) with inputs
+    ids[begin:end], targets ids[begin+1:end+1], of which only the last n_new are scored (each once)."""
+    if stride < 1 or context < 1 or stride > context:
+        raise ValueError(f'need 1 <= stride <= context (got context={context}, stride={stride})')
+    m = n_tokens - 1
+    out, prev = [], 0
+    for b in range(0, max(m, 0), stride):
+        e = min(b + context, m)
+        if e > prev:
+            out.append((b, e, e - prev))
+        prev = e
+        if e == m:
+            break
+    return out
 
-GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 = regression))
-    'cola': (('sentence',), (), 2),
-    'sst2': (('sentence',), (), 2),
-    'mrpc': (('sentence1', '#1 String'), ('sentence2', '#2 String'), 2),
-    'stsb': (('sentence1',), ('sentence2',), 1),
-    'qqp': (('question1',), ('question2',), 2),
-    'mnli': (('premise', 'sentence1'), ('hypothesis', 'sentence2'), 3),
-    'qnli': (('question',), ('sentence',), 2),
-    'rte': (('sentence1',), ('sentence2',), 2),
-}
-GLUE_ALIASES = {'sst-2': 'sst2', 'sts-b': 'stsb', 'mnli-m': 'mnli', 'mnli_matched': 'mnli'}
-GLUE_LABEL_COLS = ('label', 'gold_label', 'is_duplicate', 'score', 'quality')
-GLUE_STRING_LABELS = {'entailment': 0, 'neutral': 1, 'contradiction': 2, 'not_entailment': 1}
-GLUE_SPLITS = {'train': ('train',), 'validation': ('dev', 'validation', 'val', 'dev_matched', 'validation_matched'),
-               'test': ('test', 'test_matched')}
+
+@torch.no_grad()
+def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
+    """Token-weighted mean NLL of a causal LM over the next-token predictions of ids, in sliding windows of
+    `context` tokens moved by `stride` (HF style). The first token is never scored: nothing is prepended, it
+    is only context, so n tokens give n-1 predictions. Every other token is scored once, given the up to
+    `context` tokens before it in its window (after the first window, at least context - stride + 1).
+    -> {'nll', 'ppl': exp(nll), 'tokens_scored', 'windows', 'context', 'stride'}"""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    windows = ppl_windows(ids.numel(), context, stride)
+    if not windows:
+        raise ValueError('need at least 2 tokens of text for perplexity')
+    total_nll, total = 0.0, 0
+    runs = [list(g) for _, g in itertools.groupby(windows, key=lambda w: w[1] - w[0])]   # windows of one length
+    for group in (run[i:i + batch_size] for run in runs for i in range(0, len(run), batch_size)):
+        x = torch.stack([ids[b:e] for b, e, _ in group])
+        y = torch.stack([ids[b + 1:e + 1] for b, e, _ in group]).clone()
+        for r, (_, _, n) in enumerate(group):
+            y[r, :x.size(1) - n] = -100
+        _, loss = model(x.to(device), targets=y.to(device))
+        count = sum(n for _, _, n in group)
+        total_nll, total = total_nll + float(loss) * count, total + count
+    nll = total_nll / total
+    return {'nll': nll, 'ppl': math.exp(nll), 'tokens_scored': total, 'windows': len(windows),
+            'context': context, 'stride': stride}
+
+
+# -----------------------------------------------------------------------------
+# GLUE: files, metrics, the classifier
+
+GLUE_LABELS = ('label', 'gold_label', 'is_duplicate', 'score', 'quality')
+NLI_LABELS = {'entailment': 0, 'neutral': 1, 'contradiction': 2, 'not_entailment': 1}
+GLUE_FILES = {'train': ('train',), 'validation': ('dev', 'validation', 'dev_matched')}
 
 
 def glue_task_name(task):
-    t = task.strip().lower()
-    t = GLUE_ALIASES.get(t, t)
-    if t not in GLUE_TASKS:
+    if task not in GLUE_TASKS:
         raise ValueError(f"unknown GLUE task {task!r}; choose one of: {', '.join(GLUE_TASKS)}")
-    return t
+    return task
 
 
 def glue_num_labels(task):
     return GLUE_TASKS[glue_task_name(task)][2]
 
 
-def _glue_label(v, task):
-    v = str(v).strip()
-    if GLUE_TASKS[task][2] == 1:
-        return float(v)
-    if v.lower() in GLUE_STRING_LABELS:
-        return GLUE_STRING_LABELS[v.lower()]
-    return int(float(v))
+def _glue_example(row, task, where):
+    """A row -> (text_a, text_b or None, label), None if empty or unlabelled. A dict (headered file) by column
+    names; a list as text<TAB>label, a<TAB>b<TAB>label or CoLA's source<TAB>label<TAB>mark<TAB>sentence."""
+    a_cols, b_cols, n_labels = GLUE_TASKS[task]
+    if isinstance(row, dict):
+        low = {str(k).strip().lower(): v for k, v in row.items()}
+        a, b = (next((low[c.lower()] for c in cols if c.lower() in low), None) for cols in (a_cols, b_cols))
+        if a is None or (b_cols and b is None):
+            raise ValueError(f"{where}: no column {list(a_cols + b_cols)} for {task}'s texts (columns: {list(row)})")
+        label = next((low[c] for c in GLUE_LABELS if low.get(c) not in (None, '', '-')), None)
+    elif not any(c.strip() for c in row):
+        return None
+    elif task == 'cola' and len(row) == 4:
+        a, b, label = row[3], None, row[1]
+    elif len(row) >= 2 + bool(b_cols):
+        a, b, label = row[-2 - bool(b_cols)], row[-2] if b_cols else None, row[-1]
+    else:
+        raise ValueError(f"{where}: cannot read {len(row)} columns as a {task} row without a header")
+    if label is None:
+        return None
+    label = str(label).strip()
+    label = float(label) if n_labels == 1 else int(float(NLI_LABELS.get(label.lower(), label)))
+    return str(a), None if b is None else str(b), label
 
 
-def _glue_from_dicts(rows, task, where):
-    a_cols, b_cols, _ = GLUE_TASKS[task]
-    out = []
-    for r in rows:
-        low = {str(k).strip().lower(): v for k, v in r.items()}
-        a = next((low[c.lower()] for c in a_cols if c.lower() in low), None)
-        b = next((low[c.lower()] for c in b_cols if c.lower() in low), None) if b_cols else None
-        lab = next((low[c] for c in GLUE_LABEL_COLS if c in low and low[c] not in (None, '', '-')), None)
-        if a is None:
-            raise ValueError(f"{where}: no column for text_a among {list(a_cols)} (columns: {list(r)})")
-        if b_cols and b is None:
-            raise ValueError(f"{where}: no column for text_b among {list(b_cols)} (columns: {list(r)})")
-        if lab is None:
-            continue  # unlabelled (test) row
-        out.append((str(a), None if b is None else str(b), _glue_label(lab, task)))
-    return out
-
-
-def _glue_headerless(rows, task, where):
-    """GLUE TSVs without a header: `text<TAB>label`, `a<TAB>b<TAB>label`, or the original CoLA layout
-    `source<TAB>label<TAB>mark<TAB>sentence`."""
-    out = []
-    pair = bool(GLUE_TASKS[task][1])
-    for i, r in enumerate(rows):
-        if not r or all(not c.strip() for c in r):
-            continue
-        if task == 'cola' and len(r) == 4:
-            out.append((r[3], None, _glue_label(r[1], task)))
-        elif not pair and len(r) >= 2:
-            out.append((r[0], None, _glue_label(r[-1], task)))
-        elif pair and len(r) >= 3:
-            out.append((r[-3], r[-2], _glue_label(r[-1], task)))
-        else:
-            raise ValueError(f"{where} line {i + 1}: cannot read {len(r)} columns as a {task} row without a header")
-    return out
-
-
-def _looks_like_header(row, task):
-    names = {c.strip().lower() for c in row}
-    a_cols, b_cols, _ = GLUE_TASKS[task]
-    known = {c.lower() for c in a_cols + b_cols + GLUE_LABEL_COLS}
-    return bool(names & known)
-
-
-def _find_glue_file(path, split):
-    if os.path.isfile(path):
-        return path
-    cands = []
-    for stem in GLUE_SPLITS[split]:
-        for ext in ('tsv', 'csv', 'jsonl', 'json'):
-            cands += glob.glob(os.path.join(path, f"{stem}.{ext}"))
-    if not cands:
-        raise ValueError(f"no {split} file in {path}: expected one of "
-                         f"{[s + '.tsv|csv|jsonl' for s in GLUE_SPLITS[split]]}")
-    return sorted(cands)[0]
-
-
-def load_glue(task, path=None, split='train'):
-    """GLUE examples as a list of (text_a, text_b or None, label) (label: int class, float for STS-B).
-    path: a folder holding train.{tsv,csv,jsonl} and dev.* (or validation.*), or a single file; TSVs with a
-    header row (GLUE's own layout) or without one (`sentence<TAB>label`, as in ../shared/data/cola).
-    path None or '': `datasets.load_dataset('glue', task)` (needs internet or the HF cache)."""
+def load_glue(task, path, split='train'):
+    """GLUE examples [(text_a, text_b or None, label)] (label: int class, float for STS-B) of split train or
+    validation. path: a folder holding train.{tsv,csv,jsonl} and dev.* (or validation.*; MNLI dev_matched.*),
+    or one file; TSVs with GLUE's header row or without one (`sentence<TAB>label`, ../shared/data/cola)."""
     task = glue_task_name(task)
-    split = {'dev': 'validation', 'val': 'validation'}.get(split, split)
-    if split not in GLUE_SPLITS:
-        raise ValueError(f"unknown split {split!r}; use train, validation or test")
-    if not path:
-        try:
-            import datasets
-            hf_split = 'validation_matched' if task == 'mnli' and split == 'validation' else split
-            ds = datasets.load_dataset('glue', task, split=hf_split)
-        except Exception as e:
-            raise ValueError(f"loading GLUE {task} with datasets failed ({type(e).__name__}: {str(e)[:200]}); "
-                             f"offline, pass a folder of TSV/CSV/JSONL files with --data") from None
-        return _glue_from_dicts(ds, task, f"datasets glue/{task}")
-    fn = _find_glue_file(path, split)
-    if fn.endswith(('.jsonl', '.json')):
-        with open(fn, encoding='utf-8') as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return _glue_from_dicts(rows, task, fn)
+    if split not in GLUE_FILES or not path:
+        raise ValueError(f"unknown split {split!r}; use train or validation" if path else "--data is empty: give "
+                         "a folder of GLUE TSV/CSV/JSONL files")
+    files = [path] if os.path.isfile(path) else [fn for stem in GLUE_FILES[split] for ext in ('tsv', 'csv', 'jsonl')
+                                                 for fn in glob.glob(os.path.join(path, f"{stem}.{ext}"))]
+    if not files:
+        raise ValueError(f"no {split} file in {path!r}: expected {'|'.join(GLUE_FILES[split])}.tsv|csv|jsonl")
+    fn = files[0]
     with open(fn, encoding='utf-8', newline='') as f:
-        if fn.endswith('.csv'):
-            rows = list(csv.reader(f))
+        if fn.endswith('.jsonl'):
+            rows = [json.loads(line) for line in f if line.strip()]
         else:
-            rows = list(csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))
-    if rows and _looks_like_header(rows[0], task):
-        head = rows[0]
-        return _glue_from_dicts([dict(zip(head, r)) for r in rows[1:] if r], task, fn)
-    return _glue_headerless(rows, task, fn)
+            rows = list(csv.reader(f) if fn.endswith('.csv') else csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))
+            names = {c.lower() for c in sum(GLUE_TASKS[task][:2], ()) + GLUE_LABELS}
+            if rows and {c.strip().lower() for c in rows[0]} & names:   # a header row
+                rows = [dict(zip(rows[0], r)) for r in rows[1:] if r]
+    return [ex for ex in (_glue_example(r, task, fn) for r in rows) if ex]
 
 
 def _ranks(x):
-    """Average ranks (ties share the mean rank), as scipy.stats.rankdata."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind='mergesort')
-    xs = x[order]
-    ranks = np.empty(len(x), dtype=np.float64)
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and xs[j + 1] == xs[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
-        i = j + 1
-    return ranks
+    """Average ranks, ties sharing their mean rank (scipy.stats.rankdata)."""
+    _, inv, counts = np.unique(np.asarray(x, np.float64), return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    return ((ends - counts + 1 + ends) / 2.0)[inv]
 
 
 def pearson(a, b):
@@ -499,62 +366,40 @@ def pearson(a, b):
     return float((a * b).sum() / den) if den > 0 else 0.0
 
 
-def spearman(a, b):
-    return pearson(_ranks(a), _ranks(b))
-
-
 def matthews_corrcoef(labels, preds):
-    """Multiclass Matthews correlation (as sklearn.metrics.matthews_corrcoef)."""
-    labels, preds = np.asarray(labels), np.asarray(preds)
+    """Multiclass Matthews correlation (as sklearn.metrics.matthews_corrcoef), from the confusion matrix C."""
     classes = np.union1d(labels, preds)
-    li, pi = np.searchsorted(classes, labels), np.searchsorted(classes, preds)
-    C = np.zeros((len(classes), len(classes)), dtype=np.float64)
-    np.add.at(C, (li, pi), 1)
-    t, p = C.sum(1), C.sum(0)
-    c, s = np.trace(C), C.sum()
+    C = np.zeros((len(classes), len(classes)))
+    np.add.at(C, (np.searchsorted(classes, labels), np.searchsorted(classes, preds)), 1)
+    t, p, c, s = C.sum(1), C.sum(0), np.trace(C), C.sum()
     den = math.sqrt((s * s - (p * p).sum()) * (s * s - (t * t).sum()))
     return float((c * s - (t * p).sum()) / den) if den > 0 else 0.0
 
 
-def f1_binary(labels, preds, positive=1):
-    labels, preds = np.asarray(labels), np.asarray(preds)
-    tp = float(((preds == positive) & (labels == positive)).sum())
-    fp = float(((preds == positive) & (labels != positive)).sum())
-    fn = float(((preds != positive) & (labels == positive)).sum())
-    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn > 0 else 0.0
-
-
 def glue_metric(task, preds, labels):
-    """The task's GLUE metrics as a dict: CoLA mcc; STS-B pearson, spearman; MRPC/QQP accuracy, f1; others
-    accuracy. 'main' repeats the one GLUE ranks by (mcc, accuracy or pearson)."""
-    task = glue_task_name(task)
-    if task == 'stsb':
-        out = {'pearson': pearson(preds, labels), 'spearman': spearman(preds, labels)}
-        out['main'] = out['pearson']
-        return out
+    """The task's GLUE metrics: CoLA mcc; STS-B pearson, spearman; MRPC/QQP accuracy, f1 (of class 1); the
+    others accuracy. 'main' repeats the one GLUE ranks by (mcc, accuracy or pearson)."""
+    if glue_task_name(task) == 'stsb':
+        r = pearson(preds, labels)
+        return {'pearson': r, 'spearman': pearson(_ranks(preds), _ranks(labels)), 'main': r}
     preds, labels = np.asarray(preds), np.asarray(labels)
     out = {'accuracy': float((preds == labels).mean()) if len(labels) else 0.0}
+    if task in ('mrpc', 'qqp'):
+        tp, n = ((preds == 1) & (labels == 1)).sum(), (preds == 1).sum() + (labels == 1).sum()
+        out['f1'] = float(2 * tp / n) if n else 0.0
     if task == 'cola':
         out['mcc'] = matthews_corrcoef(labels, preds)
-        out['main'] = out['mcc']
-    else:
-        if task in ('mrpc', 'qqp'):
-            out['f1'] = f1_binary(labels, preds)
-        out['main'] = out['accuracy']
-    return out
+    return {**out, 'main': out.get('mcc', out['accuracy'])}
 
 
 class GlueEncoder:
-    """Turns (text_a, text_b) into (token ids, token types) for a classifier with the model's tokenizer
-    (tokenizer.py encode_pair): a BERT tokenizer gives [CLS] a [SEP] b [SEP]; the others [eot] a [eot] b [eot]
-    (eot doubles as CLS and SEP), token type 1 for b. `tok`: a tokenizer; 'scratch' (or '') for the project
-    tokenizer; or a HF folder / .gguf file to load one from."""
+    """(text_a, text_b) -> (token ids, token types) with the model's tokenizer (tokenizer.py encode_pair): a
+    BERT tokenizer gives [CLS] a [SEP] b [SEP], the others [eot] a [eot] b [eot]; token type 1 for b. `tok`:
+    a tokenizer, or a get_tokenizer name ('scratch' and '' are bytes)."""
 
     def __init__(self, tok, seq_len, verbose=True):
-        if isinstance(tok, str):
-            tok = tokenizer_lib.load_tokenizer('bytes' if tok in ('', 'scratch') else tok)
-        self.tok, self.seq_len = tok, seq_len
-        self.name, self.vocab_size = tok.name, tok.vocab_size
+        self.tok = get_tokenizer('' if tok == 'scratch' else tok, verbose=False) if isinstance(tok, str) else tok
+        self.seq_len, self.name, self.vocab_size = seq_len, self.tok.name, self.tok.vocab_size
         if verbose:
             print(f"glue tokenizer: {self.name}, vocab {self.vocab_size}")
 
@@ -564,17 +409,11 @@ class GlueEncoder:
 
 def collate_glue(encoded, labels, pad_id=0):
     """[(ids, token_types)], labels -> (idx, attention_mask, token_type_ids, labels) tensors, right-padded."""
-    T = max(len(ids) for ids, _ in encoded)
-    B = len(encoded)
-    idx = torch.full((B, T), pad_id, dtype=torch.long)
-    tt = torch.zeros((B, T), dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
+    idx = torch.full((len(encoded), max(len(ids) for ids, _ in encoded)), pad_id, dtype=torch.long)
+    tt, mask = torch.zeros_like(idx), torch.zeros_like(idx)
     for i, (ids, types) in enumerate(encoded):
-        idx[i, :len(ids)] = torch.tensor(ids)
-        tt[i, :len(types)] = torch.tensor(types)
-        mask[i, :len(ids)] = 1
-    lab = torch.tensor(labels, dtype=torch.float32 if isinstance(labels[0], float) else torch.long)
-    return idx, mask, tt, lab
+        idx[i, :len(ids)], tt[i, :len(types)], mask[i, :len(ids)] = torch.tensor(ids), torch.tensor(types), 1
+    return idx, mask, tt, torch.tensor(labels, dtype=torch.float32 if isinstance(labels[0], float) else torch.long)
 
 
 class Classifier(nn.Module):
@@ -583,566 +422,434 @@ class Classifier(nn.Module):
 
     def __init__(self, model, num_labels):
         super().__init__()
-        self.model = model
-        self.num_labels = num_labels
-        self.head = None
-        if model.config.family != 'bert':
-            self.head = nn.Linear(model.config.n_embd, num_labels)
+        self.model, self.num_labels = model, num_labels
+        self.head = None if model.config.family == 'bert' else nn.Linear(model.config.n_embd, num_labels)
+        if self.head is not None:
             nn.init.normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
 
     def forward(self, idx, attention_mask, token_type_ids, labels=None):
         if self.head is None:
             return self.model.classify(idx, attention_mask, token_type_ids, labels)
-        h, _ = self.model._hidden(idx)                                        # (B, T, C); causal
+        h, _ = self.model.hidden_states(idx)                                        # (B, T, C); causal
         last = attention_mask.long().sum(1).clamp(min=1) - 1
         logits = self.head(h[torch.arange(idx.size(0), device=idx.device), last])
-        loss = None
-        if labels is not None:
-            loss = (F.mse_loss(logits.squeeze(-1).float(), labels.float()) if self.num_labels == 1
-                    else F.cross_entropy(logits.float(), labels.long()))
-        return logits, loss
+        return logits, None if labels is None else F.mse_loss(logits.squeeze(-1).float(), labels.float()) \
+            if self.num_labels == 1 else F.cross_entropy(logits.float(), labels.long())
 
-
-# -----------------------------------------------------------------------------
-# attention entropy (Hedgehog Fig. 4)
 
 @torch.no_grad()
-def mean_attention_entropy(model, x, query_positions=None, batch_size=64):
-    """Mean row entropy (nats) of every layer's attention matrix core.weights(q, k) on inputs x, averaged
-    over layers, heads, sequences and query rows (all rows, and separately the rows in query_positions).
-    Returns (mean over all rows, mean over the query rows or None)."""
-    captured = []
-    hooks = [core.register_forward_pre_hook(lambda mod, args: captured.append((mod, args[0], args[1])))
-             for core in model.attention_cores()]
-    tot, n, totq, nq = 0.0, 0, 0.0, 0
-    was_training = model.training
-    model.eval()
-    try:
-        for i in range(0, len(x), batch_size):
-            captured.clear()
+def mean_attention_entropy(model, x, query_positions, batch_size=64):
+    """Mean row entropy (nats) of the attention matrices core.weights(q, k) of every layer and head on inputs x
+    (Hedgehog Fig. 4). -> (the mean over all rows, over the rows in query_positions)."""
+    ents, ents_q, cores = [], [], model.attention_cores()
+    for i in range(0, len(x), batch_size):
+        with model.capture_qkv() as rec:
             model(x[i:i + batch_size])
-            for core, q, k in list(captured):   # (weights() calls the core: its own hook appends)
-                ent = attention.attention_entropy(core.weights(q, k))                # (B, H, T)
-                tot += ent.sum().item()
-                n += ent.numel()
-                if query_positions is not None:
-                    e = ent[..., query_positions]
-                    totq += e.sum().item()
-                    nq += e.numel()
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
-    return tot / max(n, 1), (totq / nq if nq else None)
+        for layer, (q, k, _, _) in rec.items():
+            ent = attention.attention_entropy(cores[layer].weights(q, k)).double()   # (B, H, T)
+            ents.append(ent.flatten())
+            ents_q.append(ent[..., query_positions].flatten())
+    return torch.cat(ents).mean().item(), torch.cat(ents_q).mean().item()
 
 
 # -----------------------------------------------------------------------------
-# the training run
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
+# the training loop
 
 def _fmt_time(s):
     s = int(round(s))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def _fmt_rate(r):
-    return f"{r / 1e6:.2f}M" if r >= 1e6 else f"{r / 1e3:.1f}k" if r >= 1e3 else f"{r:.0f}"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def get_lr(cfg, it):
-    """Linear warmup, then cosine decay from lr to min_lr at lr_decay_iters (nanoGPT)."""
-    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    """Linear warmup, then cosine decay from cfg.lr to cfg.lr * cfg.min_lr_ratio at cfg.max_iters (nanoGPT)."""
+    min_lr = cfg.lr * cfg.min_lr_ratio
     if it < cfg.warmup_iters:
         return cfg.lr * (it + 1) / (cfg.warmup_iters + 1)
-    if it >= decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.min_lr)
+    ratio = min(1.0, (it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - min_lr)
 
 
-def resolve_device(name):
-    if name == 'auto':
-        return 'cuda' if torch.cuda.is_available() else 'cpu'
-    if name.startswith('cuda') and not torch.cuda.is_available():
-        raise SystemExit(f"error: --device {name} but CUDA is not available (use --device cpu or auto)")
-    if name != 'cpu' and not name.startswith('cuda'):
-        raise SystemExit(f"error: unknown --device {name!r}: use auto, cpu, cuda or cuda:N")
-    return name
+def setup(cfg):
+    """This process's runtime from cfg.device, cfg.dtype and torchrun's RANK / LOCAL_RANK / WORLD_SIZE (the
+    process group starts here): ddp, rank, world, master, device, dtype (a name), autocast (CUDA bf16/fp16)."""
+    ddp, rank, world = 'RANK' in os.environ, int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
+    device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    cuda = device.startswith('cuda')
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"--device {cfg.device} but CUDA is not available (use --device cpu or auto)")
+    if cfg.grad_accum % world:
+        raise ValueError(f"--grad_accum {cfg.grad_accum} must be a multiple of the {world} processes")
+    if ddp and not dist.is_initialized():
+        dist.init_process_group(backend='nccl' if cuda else 'gloo')
+    if ddp and cuda:   # one GPU per process
+        torch.cuda.set_device(device := f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+    dtype = cfg.dtype if cfg.dtype != 'auto' else 'float32' if not cuda else \
+        'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    autocast = torch.autocast('cuda', getattr(torch, dtype)) if cuda and dtype != 'float32' else \
+        contextlib.nullcontext()
+    return SimpleNamespace(ddp=ddp, rank=rank, world=world, master=rank == 0, device=device, dtype=dtype,
+                           autocast=autocast)
 
 
-def resolve_dtype(name, device):
-    if name == 'auto':
-        if device.startswith('cuda'):
-            return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
-        return 'float32'
-    if name not in ('float32', 'bfloat16', 'float16'):
-        raise SystemExit(f"error: unknown --dtype {name!r}: use auto, float32, bfloat16 or float16")
-    return name
+def _start(params_or_optimizer, cfg, rt, resume):
+    """(optimizer, grad scaler, data-stream generator, step): fresh, or continued from a checkpoint's state."""
+    opt = params_or_optimizer if isinstance(params_or_optimizer, torch.optim.Optimizer) else \
+        torch.optim.AdamW(list(params_or_optimizer), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+    scaler = torch.amp.GradScaler('cuda', enabled=rt.dtype == 'float16')
+    gen = torch.Generator().manual_seed(cfg.seed)     # the global batch stream, the same on every process
+    if not resume:
+        torch.manual_seed(cfg.seed + rt.rank)         # per-process seeds (dropout and the like)
+        return opt, scaler, gen, 0
+    opt.load_state_dict(resume['optimizer'])
+    if resume['scaler']:
+        scaler.load_state_dict(resume['scaler'])
+    gen.set_state(resume['data_rng'])
+    step = int(resume['iter_num'])
+    if not rt.master:
+        torch.manual_seed(cfg.seed + rt.rank + 7919 * step)
+        return opt, scaler, gen, step
+    torch.set_rng_state(resume['torch_rng'])
+    if resume['cuda_rng'] is not None and rt.device.startswith('cuda'):
+        torch.cuda.set_rng_state(resume['cuda_rng'], rt.device)
+    return opt, scaler, gen, step
 
 
-def _write_json(path, obj):
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+def _open_log(path, step):
+    """out_dir/log.jsonl with the rows before `step` (those of the run resumed), open to append."""
+    rows = [r for r in open(path) if r.strip() and json.loads(r)['iter'] < step] if os.path.exists(path) else []
+    with open(path + '.tmp', 'w') as f:
+        f.writelines(rows)
+    os.replace(path + '.tmp', path)
+    return open(path, 'a')
 
 
-def _dist():
-    """(ddp, rank, local_rank, world_size) from torchrun's environment."""
-    if int(os.environ.get('RANK', -1)) == -1:
-        return False, 0, 0, 1
-    return True, int(os.environ['RANK']), int(os.environ.get('LOCAL_RANK', 0)), int(os.environ['WORLD_SIZE'])
+def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
+    """The gradients of one step: cfg.grad_accum micro-batches of the global stream, which every process
+    draws, taking micro-batch j when j % world == rank; gradients sync on its last one. -> (mean loss, tokens)."""
+    total, tokens = torch.zeros((), device=rt.device), 0
+    for j in range(cfg.grad_accum):
+        batch = next_batch(gen)
+        tokens += batch[0].numel()
+        if j % rt.world != rt.rank:
+            continue
+        with contextlib.nullcontext() if not rt.ddp or j >= cfg.grad_accum - rt.world else net.no_sync():
+            with rt.autocast:
+                loss = loss_fn(net, tuple(t.to(rt.device) for t in batch)) / (cfg.grad_accum // rt.world)
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    if rt.ddp:
+        dist.all_reduce(total)
+        total /= rt.world
+    return total.item(), tokens
 
 
-def build_model(cfg, vocab_size, num_labels=0, explicit=()):
-    """The GPT for this run (scratch or --init_from), with the requested attention."""
-    name, extra = parse_attn_spec(cfg.attn)
-    attn_kw = dict(attn=name, window=cfg.window, diag_block=cfg.diag_block, impl=cfg.impl,
-                   window_combine=cfg.window_combine, attn_options=map_options(cfg, name, extra))
-    if cfg.init_from in ('', 'scratch'):
-        family = 'bert' if cfg.task == 'glue' and 'family' not in explicit else cfg.family
-        gcfg = GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
-                         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                         num_labels=num_labels if family == 'bert' else 0, init_std=cfg.init_std,
-                         emb_init_std=cfg.emb_init_std, tie_embeddings=False,
-                         short_conv=0 if family == 'bert' else cfg.short_conv, **attn_kw)
-        return GPT(gcfg)
-    overrides = {'dropout': cfg.dropout}
-    if explicit & {'attn', 'window', 'diag_block', 'window_combine', 'impl', 'feature_dim', 'temperature'}:
-        overrides.update(attn_kw)   # otherwise keep the checkpoint's own attention
-    if num_labels and _init_family(cfg.init_from) == 'bert':
-        overrides['num_labels'] = num_labels
-    return GPT.from_pretrained(cfg.init_from, **overrides)
+class NonFiniteLoss(RuntimeError):
+    def __init__(self, what, value, step, saved, cfg, rt):   # saved: the last checkpoint's path, True or None
+        kept = f"the last good checkpoint{'' if saved is True else ' ' + saved} was kept" if saved else \
+            "no checkpoint was written"
+        super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. Try a lower --lr (now "
+                         f"{cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a numerically stable feature map variant "
+                         "(e.g. hedgehog with its default softmax over the feature dim, lolcats, or --attn softmax "
+                         "to check the setup).")
 
 
-def _init_family(init_from):
-    """The model family of --init_from: one of our checkpoint files, a HF folder, a GGUF file (llama) or a hub
-    name (a guess)."""
-    if os.path.isfile(init_from) and init_from.endswith('.gguf'):
-        return 'llama'
-    if os.path.isfile(init_from):
-        return _read_own_checkpoint(init_from)[0]['config']['family']
-    cfg_file = os.path.join(init_from, 'config.json')
-    if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            return hf_config_to_kwargs(json.load(f))['family']
-    return 'bert' if 'bert' in init_from.lower() else 'gpt2'
+def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate=None, save=None, resume=None,
+        log_name='log.jsonl'):
+    """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of convert.py's stages.
 
+    module: on rt.device; its DDP wrapper is made here. rt: setup(cfg) (call it first to know the device).
+    params_or_optimizer: an optimizer (lr set each step), or the parameters to train with AdamW(weight_decay=
+      cfg.weight_decay): stage 1 passes the feature maps' parameters, stage 2 the LoRA or all weights.
+    loss_fn(net, batch) -> scalar loss. Call `net` (module or its DDP wrapper), not module, so that DDP
+      syncs the gradients: stage 1 runs net(x) under model.capture_qkv and returns the distillation loss of
+      the captured q/k; stage 2 returns the LM loss net(x, y)[1].
+    next_batch(gen) -> one micro-batch of CPU tensors (the first holds the tokens the progress line counts),
+      drawn with the torch.Generator `gen` only (seeded with cfg.seed, saved in checkpoints): every process
+      draws every micro-batch and takes its share, so the data stream is one for any number of processes.
+    cfg: reads max_iters, grad_accum, lr, warmup_iters, weight_decay, eval_interval, out_dir, seed.
+    evaluate() -> {name: float}, on the master every cfg.eval_interval steps and at the end, in eval mode.
+    save(state) -> path: after each evaluation, write the model and `state` (optimizer, scaler, step, data
+      stream, RNG) atomically; that state given back as `resume` continues exactly (the weights are yours to
+      load). None: no checkpoints. log_name: the out_dir file of the per-step {'iter', 'loss', 'lr'} rows.
+    The master prints progress lines (step, loss, lr, tokens/s, ETA). A non-finite loss, gradient norm or
+    evaluation raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
+    rt = rt or setup(cfg)
+    opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
+    params = [p for g in opt.param_groups for p in g['params']]
+    net = nn.parallel.DistributedDataParallel(module) if rt.ddp else module
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    log = _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else None
+    t0, cpu0, clock, est, saved = time.time(), time.process_time(), [time.time(), step], {}, resume is not None
+    try:
+        while step < cfg.max_iters:
+            lr = get_lr(cfg, step)
+            for g in opt.param_groups:
+                g['lr'] = lr
+            loss, tokens = _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt)
+            if not math.isfinite(loss):
+                raise NonFiniteLoss('loss', loss, step, saved, cfg, rt)
+            scaler.unscale_(opt)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+            if not torch.isfinite(gnorm) and not scaler.is_enabled():
+                raise NonFiniteLoss('gradient norm', gnorm.item(), step, saved, cfg, rt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if rt.master:
+                log.write(json.dumps({'iter': step - 1, 'loss': loss, 'lr': lr}) + '\n')
+                _progress(step, loss, lr, tokens, clock, cfg)
+            if rt.master and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
+                log.flush()
+                est = _evaluate(module, evaluate, step, saved, cfg, rt)
+                cuda_rng = torch.cuda.get_rng_state(rt.device) if rt.device.startswith('cuda') else None
+                saved = save(dict(optimizer=opt.state_dict(), scaler=scaler.state_dict(), iter_num=step, cuda_rng=
+                                  cuda_rng, data_rng=gen.get_state(), torch_rng=torch.get_rng_state())) if save else saved
+    finally:
+        if log:
+            log.close()
+    return {'iters': step, 'train_time_s': round(time.time() - t0, 2),
+            'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
+
+
+def _progress(step, loss, lr, tokens, clock, cfg):
+    """A progress line ten times a run and at its last step; clock: [time, step] of the one before."""
+    if step % max(1, cfg.max_iters // 10) == 0 or step == cfg.max_iters:
+        dt = (time.time() - clock[0]) / max(step - clock[1], 1)
+        print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens / max(dt, 1e-9) / 1e3:.1f}k "
+              f"tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}", flush=True)
+        clock[:] = time.time(), step
+
+
+def _evaluate(module, evaluate, step, saved, cfg, rt):
+    module.eval()
+    est = evaluate() if evaluate else {}
+    module.train()
+    if not all(math.isfinite(v) for v in est.values()):
+        raise NonFiniteLoss('evaluation loss', est, step, saved, cfg, rt)
+    print(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
+    return est
+
+
+# -----------------------------------------------------------------------------
+# the driver: a task's data and model, fit, the final metrics
 
 class Task:
-    """The data side of a run: training micro-batches, estimate_loss batches and final metrics."""
+    """A run's data: 'train' and 'val' splits of examples (text: window offsets into the token ids), batches
+    of them as CPU tensors -- (x, y) for AR and text, (idx, mask, token types, labels) for GLUE."""
 
-    def __init__(self, cfg, verbose=True, tokenizer=None):
-        """tokenizer: the run's tokenizer for text and GLUE (run_tokenizer; default the project tokenizer)."""
-        self.cfg = cfg
-        self.tokenizer = None
-        if cfg.task in ('text', 'glue') and tokenizer is None:
-            tokenizer = tokenizer_lib.load_tokenizer('bytes')
-        self.num_labels = 0
-        if cfg.task in ('ar', 'mqar'):
-            (self.x_train, self.y_train), (self.x_test, self.y_test) = ar_datasets(cfg)
-            self.vocab_size = cfg.ar_vocab
-            self.n_train = len(self.x_train)
-            self.tokens_per_example = cfg.seq_len
-        elif cfg.task == 'text':
-            tok = tokenizer
-            self.tokenizer = tok.name
-            self.train_ids, self.val_ids = text_splits(cfg, tok)
+    def __init__(self, cfg, tok=None, verbose=True):
+        self.cfg, self.tokenizer, self.num_labels = cfg, tok and tok.name, 0
+        if cfg.task == 'text':
+            self.splits = dict(zip(('train', 'val'), text_splits(cfg, tok)))
             self.vocab_size = tok.vocab_size if tok.vocab_size < 1000 else (tok.vocab_size + 63) // 64 * 64
-            self.n_train = len(self.train_ids) - cfg.seq_len - 1
-            self.tokens_per_example = cfg.seq_len
-            if verbose:
-                print(f"text: {len(self.train_ids):,} train / {len(self.val_ids):,} val tokens")
+        elif cfg.task == 'glue':
+            enc, load = GlueEncoder(tok, cfg.seq_len, verbose), lambda s: load_glue(cfg.glue_task, cfg.data, s)
+            self.splits = {k: collate_glue(*zip(*[(enc.encode(a, b), label) for a, b, label in load(s)]))
+                           for k, s in (('train', 'train'), ('val', 'validation'))}
+            self.num_labels, self.vocab_size = glue_num_labels(cfg.glue_task), tok.vocab_size
         else:
-            self.glue_task = glue_task_name(cfg.glue_task)
-            self.num_labels = glue_num_labels(self.glue_task)
-            self.enc = GlueEncoder(tokenizer, cfg.seq_len, verbose=verbose)
-            self.tokenizer = self.enc.name
-            self.vocab_size = self.enc.vocab_size
-            self.train = load_glue(self.glue_task, cfg.data, 'train')
-            self.dev = load_glue(self.glue_task, cfg.data, 'validation')
-            self.train_enc = [self.enc.encode(a, b) for a, b, _ in self.train]
-            self.dev_enc = [self.enc.encode(a, b) for a, b, _ in self.dev]
-            self.n_train = len(self.train)
-            self.tokens_per_example = float(np.mean([len(i) for i, _ in self.train_enc]))
-            if verbose:
-                print(f"glue {self.glue_task}: {len(self.train)} train / {len(self.dev)} dev examples")
-        if self.n_train < 1:
+            nq, args = 8 if cfg.task == 'mqar' else 1, (cfg.seq_len, cfg.ar_vocab)   # test: the final queries only
+            self.splits = {'train': make_associative_recall(cfg.n_train, *args, cfg.seed, nq, label_repeats=True),
+                           'val': make_associative_recall(N_TEST, *args, cfg.seed + TEST_SEED_OFFSET, nq)}
+            self.vocab_size = cfg.ar_vocab
+        self.size = {k: len(d) - cfg.seq_len - 1 if cfg.task == 'text' else len(d[0]) for k, d in self.splits.items()}
+        if verbose:   # (examples; for text, window offsets)
+            print(f"{cfg.task}: {self.size['train']:,} train / {self.size['val']:,} val examples")
+        if self.size['train'] < 1:
             raise ValueError("no training data")
 
-    def draw(self, gen, count):
-        """`count` random training example indices (or text offsets) from generator gen."""
-        return torch.randint(0, self.n_train, (count,), generator=gen)
+    def batch(self, split, sel):
+        if self.cfg.task == 'text':
+            return get_text_batch(self.splits[split], sel, self.cfg.seq_len)
+        b = tuple(t[sel] for t in self.splits[split])
+        if self.cfg.task == 'glue':   # cut the padding to the batch's longest example
+            b = tuple(t[:, :int(b[1].sum(1).max())] if t.dim() == 2 else t for t in b)
+        return b
 
-    def batch(self, sel, device, split='train'):
-        """Model inputs for examples sel (indices into the split, or text offsets)."""
-        cfg = self.cfg
-        if cfg.task in ('ar', 'mqar'):
-            x, y = (self.x_train, self.y_train) if split == 'train' else (self.x_test, self.y_test)
-            return x[sel].to(device), y[sel].to(device)
-        if cfg.task == 'text':
-            ids = self.train_ids if split == 'train' else self.val_ids
-            x, y = get_text_batch(ids, np.asarray(sel), cfg.seq_len)
-            return x.to(device), y.to(device)
-        data, enc = (self.train, self.train_enc) if split == 'train' else (self.dev, self.dev_enc)
-        sel = [int(i) for i in sel]
-        b = collate_glue([enc[i] for i in sel], [data[i][2] for i in sel])
-        return tuple(t.to(device) for t in b)
+    def next_batch(self, gen):
+        return self.batch('train', torch.randint(0, self.size['train'], (self.cfg.batch_size,), generator=gen))
 
-    def eval_selections(self, split, n_batches, batch_size):
-        """Deterministic evaluation batches (independent of the training data stream)."""
-        cfg = self.cfg
-        if cfg.task == 'text':
-            ids = self.train_ids if split == 'train' else self.val_ids
-            g = torch.Generator().manual_seed(cfg.seed + (7 if split == 'train' else 11))
-            return [torch.randint(0, len(ids) - cfg.seq_len - 1, (batch_size,), generator=g)
-                    for _ in range(n_batches)]
-        n = self.n_train if split == 'train' else (len(self.x_test) if cfg.task in ('ar', 'mqar') else len(self.dev))
-        n_use = min(n, n_batches * batch_size)
-        return [torch.arange(i, min(i + batch_size, n_use)) for i in range(0, n_use, batch_size)]
+    def eval_batches(self, split, n_batches=EVAL_ITERS):
+        """Fixed batches of a split: its first examples (text: its first non-overlapping windows)."""
+        B, step = self.cfg.batch_size, self.cfg.seq_len if self.cfg.task == 'text' else 1
+        n = min((self.size[split] - 1) // step + 1, n_batches * B)
+        return [torch.arange(i, min(i + B, n)) * step for i in range(0, n, B)]
 
 
-def _loss(module, task, batch):
+def task_loss(module, batch):
+    """The loss of every task: the module's own (LM, recall or classifier)."""
     return module(*batch)[1]
 
 
 @torch.no_grad()
-def estimate_loss(module, task, device, ctx, eval_iters, batch_size):
-    """Mean loss over eval_iters deterministic batches of the train and val/test splits (nanoGPT), plus
-    AR accuracy at the query positions."""
+def _predict(module, task, split, sels, rt):
+    """-> per-batch losses and label counts, predictions and labels (AR, text: at the labelled positions)."""
+    stats, preds, labels = [], [], []
+    for sel in sels:
+        batch = tuple(t.to(rt.device) for t in task.batch(split, sel))
+        with rt.autocast:
+            logits, loss = module(*batch)
+        y = batch[-1]
+        if task.cfg.task != 'glue':
+            logits, y = logits[y != -100], y[y != -100]
+        stats.append((loss.item(), len(y)))
+        preds += (logits.float().squeeze(-1) if task.num_labels == 1 else logits.argmax(-1)).tolist()
+        labels += y.tolist()
+    return *np.array(stats).T, np.array(preds), np.array(labels)
+
+
+def estimate_loss(module, task, rt):
+    """Mean loss over the fixed evaluation batches of each split (nanoGPT); AR also its accuracy."""
     out = {}
-    module.eval()
     for split in ('train', 'val'):
-        losses, correct, total = [], 0, 0
-        for sel in task.eval_selections(split, eval_iters, batch_size):
-            batch = task.batch(sel, device, split)
-            with ctx:
-                logits, loss = module(*batch)
-            losses.append(loss.item())
-            if task.cfg.task in ('ar', 'mqar'):
-                y = batch[1]
-                m = y != -100
-                correct += (logits.argmax(-1)[m] == y[m]).sum().item()
-                total += m.sum().item()
-        out[split] = float(np.mean(losses))
-        if total:
-            out[split + '_acc'] = correct / total
-    module.train()
+        losses, _, preds, labels = _predict(module, task, split, task.eval_batches(split), rt)
+        out[split] = float(losses.mean())
+        if task.cfg.task in ('ar', 'mqar'):
+            out[split + '_acc'] = float((preds == labels).mean())
     return out
 
 
 @torch.no_grad()
-def final_metrics(module, model, task, device, ctx, batch_size):
-    """Metrics on the whole test / validation split at the end of a run."""
+def final_metrics(module, model, task, rt):
+    """On the whole val split: text perplexity (windows of seq_len, stride seq_len); GLUE dev loss and the
+    task's metrics; AR test loss, accuracy and the mean attention entropy of its first 256 sequences."""
     cfg = task.cfg
     module.eval()
-    m = {}
-    if cfg.task in ('ar', 'mqar'):
-        tot_loss, correct, total = 0.0, 0, 0
-        for i in range(0, len(task.x_test), batch_size):
-            x, y = task.x_test[i:i + batch_size].to(device), task.y_test[i:i + batch_size].to(device)
-            with ctx:
-                logits, _ = module(x)
-            mask = y != -100
-            lg = logits[mask].float()
-            tot_loss += F.cross_entropy(lg, y[mask], reduction='sum').item()
-            correct += (lg.argmax(-1) == y[mask]).sum().item()
-            total += mask.sum().item()
-        m['test_loss'] = tot_loss / total
-        m['test_acc'] = correct / total
-        nq = cfg.n_queries or (8 if cfg.task == 'mqar' else 1)
-        n_ent = min(len(task.x_test), 256)
-        with ctx:
-            ent, ent_q = mean_attention_entropy(model, task.x_test[:n_ent].to(device),
-                                                list(range(cfg.seq_len - nq, cfg.seq_len)))
-        m['attn_entropy'] = ent
-        m['attn_entropy_query'] = ent_q
-    elif cfg.task == 'text':
-        ids = task.val_ids
-        T = cfg.seq_len
-        starts = np.arange(0, len(ids) - T - 1, T)[:4096]   # non-overlapping windows (at most 4096)
-        tot, n = 0.0, 0
-        for i in range(0, len(starts), batch_size):
-            x, y = get_text_batch(ids, starts[i:i + batch_size], T)
-            with ctx:
-                logits, _ = module(x.to(device))
-            tot += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1),
-                                   reduction='sum').item()
-            n += y.numel()
-        m['val_loss'] = tot / n
-        m['val_ppl'] = math.exp(min(m['val_loss'], 700))
-        m['val_tokens'] = n
-    else:
-        preds, labels, tot, n = [], [], 0.0, 0
-        for i in range(0, len(task.dev), batch_size):
-            sel = list(range(i, min(i + batch_size, len(task.dev))))
-            idx, mask, tt, lab = task.batch(sel, device, 'val')
-            with ctx:
-                logits, loss = module(idx, mask, tt, lab)
-            tot += loss.item() * len(sel)
-            n += len(sel)
-            logits = logits.float()
-            preds += (logits.squeeze(-1) if task.num_labels == 1 else logits.argmax(-1)).tolist()
-            labels += lab.tolist()
-        m['dev_loss'] = tot / max(n, 1)
-        m.update({f"dev_{k}": v for k, v in glue_metric(task.glue_task, preds, labels).items()})
-    module.train()
-    return m
+    if cfg.task == 'text':
+        with rt.autocast:
+            r = perplexity(model, task.splits['val'], cfg.seq_len, cfg.seq_len, rt.device, cfg.batch_size)
+        return {'val_loss': r['nll'], 'val_ppl': r['ppl'], 'val_tokens': r['tokens_scored']}
+    losses, counts, preds, labels = _predict(module, task, 'val', task.eval_batches('val', task.size['val']), rt)
+    loss = float((losses * counts).sum() / counts.sum())
+    if cfg.task == 'glue':
+        return {'dev_loss': loss, **{f"dev_{k}": v for k, v in glue_metric(cfg.glue_task, preds, labels).items()}}
+    nq = 8 if cfg.task == 'mqar' else 1
+    with rt.autocast:
+        ent, ent_q = mean_attention_entropy(model, task.splits['val'][0][:256].to(rt.device),
+                                            list(range(cfg.seq_len - nq, cfg.seq_len)))
+    return {'test_loss': loss, 'test_acc': float((preds == labels).mean()), 'attn_entropy': ent,
+            'attn_entropy_query': ent_q}
 
 
-def train(cfg, explicit=frozenset(), verbose=True):
-    """One training run. Returns the summary dict (also written to out_dir/summary.json)."""
-    ddp, rank, local_rank, world = _dist()
-    master = rank == 0
-    say = print if (master and verbose) else (lambda *a, **k: None)
-    device = resolve_device(cfg.device)
-    if ddp:
-        import torch.distributed as dist
-        if not dist.is_initialized():
-            dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-        if device.startswith('cuda'):
-            device = f'cuda:{local_rank}'
-            torch.cuda.set_device(device)
-        if cfg.grad_accum % world:
-            raise SystemExit(f"error: --grad_accum {cfg.grad_accum} must be a multiple of the {world} processes")
-    local_accum = cfg.grad_accum // world
-    if cfg.threads < 0:
-        raise SystemExit(f"error: --threads must be >= 0 (0 = torch's default), got {cfg.threads}")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    dtype = resolve_dtype(cfg.dtype, device)
-    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-    ctx = (torch.autocast(device_type='cuda', dtype=ptdtype) if device_type == 'cuda' and dtype != 'float32'
-           else contextlib.nullcontext())
-    if device_type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    log_path = os.path.join(cfg.out_dir, 'log.jsonl')
+def build_model(cfg, vocab_size, num_labels=0, explicit=()):
+    """A GPT from scratch: cfg's family (glue: bert unless --family is given), size, init and attention."""
+    family = 'bert' if cfg.task == 'glue' and 'family' not in explicit else cfg.family
+    init_std, emb_init_std = INIT_STDS[cfg.init]
+    return GPT(GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
+                         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, init_std=init_std,
+                         emb_init_std=emb_init_std, num_labels=num_labels if family == 'bert' else 0,
+                         tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv,
+                         attn=cfg.attn))
 
-    torch.manual_seed(cfg.seed)   # the same initial weights on every process
-    model, extra = None, {}
+
+def load_init(path, resume=False, **overrides):
+    """The one place train.py loads a model: -> (model, training state). resume: one of our checkpoints with
+    the state it holds; else a HF folder or hub name, a .gguf file or our checkpoint, with GPTConfig overrides."""
+    return M.load(path) if resume else M.load(path, **overrides)
+
+
+def _model_and_task(cfg, explicit, verbose):
+    """(model, task, resume state): resumed from out_dir/ckpt.pt, or loaded from --init_from (its tokenizer
+    encodes the data; its attention is kept unless --attn is given), or from scratch (bytes for text/glue)."""
+    ckpt, model, state = os.path.join(cfg.out_dir, 'ckpt.pt'), None, None
+    task_labels = glue_num_labels(cfg.glue_task) if cfg.task == 'glue' else 0
     if cfg.resume:
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"error: --resume but there is no checkpoint {ckpt_path}")
-        model, extra = load_checkpoint(ckpt_path)
-        say(f"resuming from {ckpt_path} at step {extra['iter_num']}")
-    elif cfg.init_from not in ('', 'scratch'):   # a pretrained model first: its tokenizer encodes the data
-        num_labels = glue_num_labels(glue_task_name(cfg.glue_task)) if cfg.task == 'glue' else 0
-        model = build_model(cfg, None, num_labels, set(explicit))
-    tok = run_tokenizer(cfg, model, verbose=master and verbose)
-    task = Task(cfg, verbose=master and verbose, tokenizer=tok)
+        if not os.path.exists(ckpt):
+            raise ValueError(f"--resume but there is no checkpoint {ckpt}")
+        model, state = load_init(ckpt, resume=True)
+    elif cfg.init_from != 'scratch':
+        over = dict({'attn': cfg.attn} if 'attn' in explicit else {}, dropout=cfg.dropout)
+        model, _ = load_init(cfg.init_from, **over, **{'num_labels': task_labels} if task_labels else {})
+    tok = get_tokenizer(cfg.tokenizer, model, verbose) if cfg.task in ('text', 'glue') else None
+    task = Task(cfg, tok, verbose)
     if model is None:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, task.vocab_size, task.num_labels, set(explicit))
-    if tok is not None:
-        model.tokenizer = tok        # so that ckpt.pt carries the tokenizer
-    module = Classifier(model, task.num_labels) if cfg.task == 'glue' else model
-    if cfg.task == 'glue' and extra.get('cls_head'):
-        module.head.load_state_dict(extra['cls_head'])
-    module.to(device)
-    say(f"model: {model.config.family}, {model.config.n_layer} layers, {model.config.n_head} heads, "
-        f"n_embd {model.config.n_embd}, attention {model.config.attn} {model.config.attn_options or ''}, "
-        f"{model.get_num_params() / 1e6:.3f}M parameters; device {device}, dtype {dtype}"
-        + (f", DDP x{world}" if ddp else ''))
+        torch.manual_seed(cfg.seed)   # the same initial weights on every process
+        model = build_model(cfg, task.vocab_size, task.num_labels, explicit)
+    model.tokenizer = tok or model.tokenizer   # ckpt.pt carries it
+    return model, task, state
 
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device_type)
-    if getattr(module, 'head', None) is not None:   # the GLUE head of a causal model
-        optimizer.add_param_group({'params': [module.head.weight], 'weight_decay': cfg.weight_decay})
-        optimizer.add_param_group({'params': [module.head.bias], 'weight_decay': 0.0})
-    scaler = torch.amp.GradScaler('cuda', enabled=(dtype == 'float16' and device_type == 'cuda'))
-    data_gen = torch.Generator().manual_seed(cfg.seed)   # the global batch stream, the same on every process
-    iter_num = 0
-    history = []
-    if cfg.resume:
-        optimizer.load_state_dict(extra['optimizer'])
-        if extra.get('scaler'):
-            scaler.load_state_dict(extra['scaler'])
-        iter_num = int(extra['iter_num'])
-        data_gen.set_state(extra['data_rng'])
-        if master:
-            torch.set_rng_state(extra['torch_rng'])
-            if device_type == 'cuda' and extra.get('cuda_rng') is not None:
-                torch.cuda.set_rng_state(extra['cuda_rng'], device)
-        else:
-            torch.manual_seed(cfg.seed + rank + 7919 * iter_num)
-        if os.path.exists(log_path) and master:
-            with open(log_path) as f:
-                history = [json.loads(line) for line in f if line.strip()]
-            history = [h for h in history if h['iter'] < iter_num]
-    else:
-        torch.manual_seed(cfg.seed + rank)            # per-process seeds (dropout and the like)
-    if master:
-        with open(log_path + '.tmp', 'w') as f:
-            f.writelines(json.dumps(h) + '\n' for h in history)
-        os.replace(log_path + '.tmp', log_path)
-    train_module = torch.compile(module) if cfg.compile else module
-    if ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        train_module = DDP(train_module, device_ids=[local_rank] if device_type == 'cuda' else None)
 
-    def save(step):
-        if not (master and cfg.save):
-            return
-        save_checkpoint(ckpt_path, model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                        iter_num=step, data_rng=data_gen.get_state(), torch_rng=torch.get_rng_state(),
-                        cuda_rng=torch.cuda.get_rng_state(device) if device_type == 'cuda' else None,
-                        train_config=asdict(cfg),
-                        cls_head=module.head.state_dict() if getattr(module, 'head', None) is not None else {})
-
-    def nonfinite(step, what, value):
-        last = f"the last good checkpoint {ckpt_path} was kept" if os.path.exists(ckpt_path) and cfg.save \
-            else "no checkpoint was written"
-        return NonFiniteLoss(
-            f"non-finite {what} ({value}) at step {step}; stopped, {last}. Try a lower --lr (now {cfg.lr:g}), "
-            f"--dtype float32 (now {dtype}), or a numerically stable feature map variant (e.g. hedgehog with its "
-            f"default softmax over the feature dim, lolcats, or --attn softmax to check the setup).")
-
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * task.tokens_per_example
-    log_f = open(log_path, 'a') if master else None
-    t_start, cpu_start = time.time(), time.process_time()
-    t_last, it_last = t_start, iter_num
-    metrics = {}
+def train(cfg, explicit=frozenset()):
+    """One training run. -> the summary (also out_dir/summary.json) on the master process, None elsewhere."""
+    rt = setup(cfg)
     try:
-        while iter_num < cfg.max_iters:
-            lr = get_lr(cfg, iter_num)
-            for g in optimizer.param_groups:
-                g['lr'] = lr
-            sel = task.draw(data_gen, cfg.grad_accum * cfg.batch_size)
-            loss_sum = torch.zeros((), device=device)
-            for m in range(local_accum):
-                j = m * world + rank                     # this process's share of the global batch
-                batch = task.batch(sel[j * cfg.batch_size:(j + 1) * cfg.batch_size], device)
-                if ddp:
-                    train_module.require_backward_grad_sync = (m == local_accum - 1)
-                with ctx:
-                    loss = _loss(train_module, task, batch) / local_accum
-                scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            if ddp:
-                dist.all_reduce(loss_sum)
-                loss_sum /= world
-            loss_val = loss_sum.item()
-            if not math.isfinite(loss_val):
-                raise nonfinite(iter_num, 'loss', loss_val)
-            scaler.unscale_(optimizer)
-            gnorm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
-            if not torch.isfinite(gnorm) and not scaler.is_enabled():
-                raise nonfinite(iter_num, 'gradient norm', gnorm.item())
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            iter_num += 1
-            if master:
-                log_f.write(json.dumps({'iter': iter_num - 1, 'loss': loss_val, 'lr': lr}) + '\n')
-            if master and verbose and (iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters):
-                now = time.time()
-                dt = (now - t_last) / max(iter_num - it_last, 1)
-                eta = dt * (cfg.max_iters - iter_num)
-                print(f"step {iter_num}/{cfg.max_iters} | loss {loss_val:.4f} | lr {lr:.2e} | "
-                      f"{_fmt_rate(tokens_per_step / max(dt, 1e-9))} tok/s | eta {_fmt_time(eta)}", flush=True)
-                t_last, it_last = now, iter_num
-            if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-                if master:
-                    log_f.flush()
-                    est = estimate_loss(module, task, device, ctx, cfg.eval_iters, cfg.batch_size)
-                    if not all(math.isfinite(v) for v in est.values()):
-                        raise nonfinite(iter_num, 'evaluation loss', est)
-                    say(f"eval step {iter_num}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()))
-                    save(iter_num)
-                    metrics.update({f"last_eval_{k}": v for k, v in est.items()})
-        train_time, cpu_time = time.time() - t_start, time.process_time() - cpu_start
-        if master:
-            log_f.close()
-            log_f = None
-            metrics.update(final_metrics(module, model, task, device, ctx, cfg.batch_size))
-    except NonFiniteLoss as e:
-        if log_f is not None:
-            log_f.close()
-        if ddp and dist.is_initialized():
+        model, task, state = _model_and_task(cfg, set(explicit), rt.master)
+        module = (Classifier(model, task.num_labels) if cfg.task == 'glue' else model).to(rt.device)
+        head = getattr(module, 'head', None)           # the GLUE head of a causal model
+        if state and state.get('cls_head'):
+            head.load_state_dict(state['cls_head'])
+        c = model.config
+        if rt.master:
+            print(f"model: {c.family}, {c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, attention {c.attn} "
+                  f"{model.get_num_params() / 1e6:.3f}M parameters; device {rt.device}, "
+                  f"dtype {rt.dtype}" + (f", DDP x{rt.world}" if rt.ddp else ''))
+        opt = model.configure_optimizers(cfg.weight_decay, cfg.lr, BETAS, rt.device.split(':')[0])
+        if head is not None:
+            opt.add_param_group({'params': [head.weight], 'weight_decay': cfg.weight_decay})
+            opt.add_param_group({'params': [head.bias], 'weight_decay': 0.0})
+        ckpt = os.path.join(cfg.out_dir, 'ckpt.pt')
+
+        def save(st):
+            M.save(ckpt, model, **st, train_config=asdict(cfg), cls_head=head.state_dict() if head else {})
+            return ckpt
+        run = fit(module, opt, task_loss, task.next_batch, cfg, rt, lambda: estimate_loss(module, task, rt),
+                  save if cfg.save else None, state)
+        if rt.ddp:
+            dist.barrier()
+        if not rt.master:
+            return None
+        metrics = {**{f"last_eval_{k}": v for k, v in run.pop('last_eval').items()},
+                   **final_metrics(module, model, task, rt)}
+        summary = {'config': asdict(cfg), 'model_config': asdict(c), 'metrics': metrics, **run, 'n_params':
+                   model.get_num_params(), 'tokenizer': task.tokenizer, 'device': rt.device, 'dtype': rt.dtype,
+                   'world_size': rt.world, 'torch': torch.__version__}
+        with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
+            json.dump(summary, f, indent=2)
+        os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'), os.path.join(cfg.out_dir, 'summary.json'))
+        print("final: " + ', '.join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+                                    if not k.startswith('last_eval')) + f" ({_fmt_time(run['train_time_s'])} training)")
+        return summary
+    finally:
+        if rt.ddp and dist.is_initialized():
             dist.destroy_process_group()
-        raise SystemExitNonFinite(str(e)) from None
-    if ddp:
-        dist.barrier()
-    summary = None
-    if master:
-        summary = {'config': asdict(cfg), 'model_config': asdict(model.config), 'metrics': metrics,
-                   'iters': iter_num, 'train_time_s': round(train_time, 2), 'cpu_time_s': round(cpu_time, 2),
-                   'n_params': model.get_num_params(), 'tokenizer': task.tokenizer, 'device': device,
-                   'dtype': dtype, 'world_size': world, 'torch': torch.__version__}
-        _write_json(os.path.join(cfg.out_dir, 'summary.json'), summary)
-        say("final: " + ', '.join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                  for k, v in metrics.items() if not k.startswith('last_eval')))
-        say(f"wrote {os.path.join(cfg.out_dir, 'summary.json')} ({_fmt_time(train_time)} training)")
-    if ddp:
-        dist.destroy_process_group()
-    return summary
 
 
-class SystemExitNonFinite(SystemExit):
-    def __init__(self, msg):
-        super().__init__(NONFINITE_EXIT)
-        self.msg = msg
-
-
-def compare_table(rows, task='ar'):
-    """Markdown table of [(map spec, summary)]: the task metric, mean attention entropy, time."""
-    metric = 'test_acc' if task in ('ar', 'mqar') else 'val_ppl' if task == 'text' else 'dev_main'
+def compare(cfg, explicit=frozenset()):
+    """One run per --attn value in cfg.compare (same config, budget and seeds; each in out_dir/<value>/), and
+    a markdown table of the task metric, attention entropy, final train loss and times (out_dir/compare.md)."""
+    if 'RANK' in os.environ:
+        raise ValueError("--compare runs one process; launch it without torchrun")
+    rows, t0 = [], time.time()
+    for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
+        print(f"=== {spec} ===", flush=True)
+        out_dir = os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', ''))
+        sub = replace(cfg, attn=spec, compare='', out_dir=out_dir)
+        rows.append((spec, train(sub, set(explicit) | {'attn'})))
+    metric = {'ar': 'test_acc', 'mqar': 'test_acc', 'text': 'val_ppl', 'glue': 'dev_main'}[cfg.task]
     lines = [f"| map | {metric} | mean attention entropy (all rows) | at query rows | final train loss | "
              "train time | CPU time |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for spec, s in rows:
         m = s['metrics']
-        ent, entq = m.get('attn_entropy'), m.get('attn_entropy_query')
-        lines.append(f"| {spec} | {m.get(metric, float('nan')):.4f} | "
-                     f"{'' if ent is None else f'{ent:.3f}'} | {'' if entq is None else f'{entq:.3f}'} | "
-                     f"{m.get('last_eval_train', float('nan')):.4f} | {_fmt_time(s['train_time_s'])} | "
-                     f"{_fmt_time(s.get('cpu_time_s', 0))} |")
-    return '\n'.join(lines)
-
-
-def compare(cfg, explicit=frozenset()):
-    """Train one model per map in cfg.compare (same config, budget and seeds) and print a markdown table of
-    test accuracy and mean attention entropy. Each run goes to out_dir/<map>/; the table to out_dir/compare.md."""
-    rows = []
-    specs = [s.strip() for s in cfg.compare.split(',') if s.strip()]
-    t0 = time.time()
-    for spec in specs:
-        sub = replace(cfg, attn=spec, compare='', out_dir=os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', '')))
-        print(f"=== {spec} ===", flush=True)
-        s = train(sub, set(explicit) | {'attn'})
-        rows.append((spec, s))
-    table = compare_table(rows, cfg.task)
-    print(table)
-    print(f"total {_fmt_time(time.time() - t0)}")
+        ent = ' | '.join('' if m.get(k) is None else f"{m[k]:.3f}" for k in ('attn_entropy', 'attn_entropy_query'))
+        lines.append(f"| {spec} | {m[metric]:.4f} | {ent} | {m['last_eval_train']:.4f} | "
+                     f"{_fmt_time(s['train_time_s'])} | {_fmt_time(s['cpu_time_s'])} |")
+    print('\n'.join(lines) + f"\ntotal {_fmt_time(time.time() - t0)}")
     with open(os.path.join(cfg.out_dir, 'compare.md'), 'w') as f:
-        f.write(table + '\n')
-    _write_json(os.path.join(cfg.out_dir, 'compare.json'),
-                {'config': asdict(cfg), 'runs': {spec: s['metrics'] for spec, s in rows},
-                 'times_s': {spec: s['train_time_s'] for spec, s in rows}})
+        f.write('\n'.join(lines) + '\n')
     return rows
 
 
 def main(argv=None):
-    cfg, explicit = parse_args(argv)
+    cfg, explicit = parse_config(TrainConfig, argv, __doc__)
     try:
-        if cfg.compare:
-            if _dist()[0]:
-                raise SystemExit("error: --compare runs one process; launch it without torchrun")
-            os.makedirs(cfg.out_dir, exist_ok=True)
-            return compare(cfg, explicit)
-        return train(cfg, explicit)
-    except SystemExitNonFinite as e:
-        print(f"error: {e.msg}", file=sys.stderr, flush=True)
-        raise
-    except ValueError as e:  # bad data paths, GLUE files, options: one clear line
+        return compare(cfg, explicit) if cfg.compare else train(cfg, explicit)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(NONFINITE_EXIT) from None
+    except ValueError as e:  # bad data paths, GLUE files, options, tokenizers: one clear line
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -32,7 +32,7 @@ def _tiny_gpt(tmp_path, attn='softmax', name='tiny.pt', block_size=64, **kw):
                       attn=attn, **kw)
     m = M.GPT(cfg).eval()
     path = str(tmp_path / name)
-    M.save_checkpoint(path, m)
+    M.save(path, m)
     return m, path
 
 
@@ -208,14 +208,14 @@ def test_glue_report(tmp_path, family):
         head = train.Classifier(m, 2).head
         extra['cls_head'] = head.state_dict()
     ckpt = str(tmp_path / 'cls.pt')
-    M.save_checkpoint(ckpt, m, **extra)
+    M.save(ckpt, m, **extra)
     out = str(tmp_path / 'out')
     data = _cola_dir(tmp_path)
     assert _run(['--ckpt', ckpt, '--glue', 'cola', '--data', data, '--out_dir', out]) == 0
     res = _json(out, 'glue')
     assert res['task'] == 'cola' and res['examples'] == 7
     # the reported MCC is sklearn's on the same predictions
-    model, extra = M.load_checkpoint(ckpt)
+    model, extra = M.load(ckpt)
     module = train.Classifier(model, 2)
     if family != 'bert':
         module.head.load_state_dict(extra['cls_head'])
@@ -246,7 +246,7 @@ def test_fidelity_report_converted_model(tmp_path):
     m, _ = _tiny_gpt(tmp_path)
     m.set_attention('hedgehog', layers=[1])  # "converted" layer 1: its map is the student of the softmax teacher
     ckpt = str(tmp_path / 'hh.pt')
-    M.save_checkpoint(ckpt, m)
+    M.save(ckpt, m)
     out = str(tmp_path / 'out')
     assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '32',
                  '--maps', 'elu,performer', '--heads', '0:0,1:0', '--out_dir', out]) == 0
@@ -280,7 +280,7 @@ def test_fidelity_report_softmax_model_defaults(tmp_path):
 def _fidelity_of(tmp_path, model, extra):
     """Saves `model`, runs eval.py --fidelity on it (16-token windows) with `extra` flags -> (fidelity.json, ckpt)."""
     ckpt = str(tmp_path / 'fid.pt')
-    M.save_checkpoint(ckpt, model)
+    M.save(ckpt, model)
     out = str(tmp_path / 'out')
     assert _run(['--ckpt', ckpt, '--fidelity', '--data', _text_file(tmp_path), '--context', '16', *extra,
                  '--out_dir', out]) == 0
@@ -316,7 +316,7 @@ def test_fidelity_calibrates_lln(tmp_path):
     m, _ = _tiny_gpt(tmp_path)
     res, _ = _fidelity_of(tmp_path, m, ['--maps', 'lln,elu', '--batch_size', '4'])
     assert res['maps'] == ['softmax', 'lln (calibrated)', 'elu (untrained)']
-    tok = tokenizer.load_tokenizer('bytes')
+    tok = train.get_tokenizer(verbose=False)
     q, k = ev.capture_qk(m, torch.tensor(tok.encode(TEXT)[:64]).view(4, 16))[1]     # layer 1
     calibrated, raw = attention.Attention('lln', 16, 2), attention.Attention('lln', 16, 2)
     calibrated.fmap.calibrate(q, k)
@@ -364,14 +364,14 @@ def test_bench_runs_tiny(tmp_path):
 def test_bench_decode_on_a_checkpoint(tmp_path):
     """--bench decode --ckpt: the checkpoint's own attention against its softmax teacher (KV cache), both states
     built by prefill; the teacher mode is switched off again afterwards."""
-    _, ckpt = _tiny_gpt(tmp_path, attn='hedgehog', window=4, block_size=128)
+    _, ckpt = _tiny_gpt(tmp_path, attn='hedgehog:window=4', block_size=128)
     out = str(tmp_path / 'out')
     assert _run(['--bench', 'decode', '--ckpt', ckpt, '--sweep', '8,40', '--device', 'cpu', '--out_dir', out]) == 0
     res = _json(out, 'bench')
     dec = {(r['attn'], r['length']): r for r in res['decode']}
-    assert set(dec) == {('softmax', 8), ('softmax', 40), ('hedgehog+window4', 8), ('hedgehog+window4', 40)}
+    assert set(dec) == {('softmax', 8), ('softmax', 40), ('hedgehog:window=4', 8), ('hedgehog:window=4', 40)}
     assert dec[('softmax', 40)]['state_mb'] > dec[('softmax', 8)]['state_mb']
-    assert dec[('hedgehog+window4', 40)]['state_mb'] == dec[('hedgehog+window4', 8)]['state_mb']
+    assert dec[('hedgehog:window=4', 40)]['state_mb'] == dec[('hedgehog:window=4', 8)]['state_mb']
     assert tmp_path.joinpath('out', 'bench.md').exists()
 
 

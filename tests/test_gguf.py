@@ -396,9 +396,9 @@ def test_tokenizer_metadata_becomes_model_tokenizer_and_travels(tmp_path):
     assert ids[:2] == [TOKENS.index('hello'), TOKENS.index('Ġworld')] and 0 not in ids   # control token: not from text
     assert tok.encode('<|endoftext|>', special=True) == [0]
     assert tok.decode(ids) == 'hello world<|endoftext|>'
-    for name in ('ck.pt', 'ck.safetensors'):               # checkpoints carry it
-        M.save_checkpoint(str(tmp_path / name), g)
-        back, _ = M.load_checkpoint(str(tmp_path / name))
+    for name in ('ck.pt',):                                # checkpoints carry it
+        M.save(str(tmp_path / name), g)
+        back, _ = M.load(str(tmp_path / name))
         assert back.tokenizer.fingerprint == tok.fingerprint and back.tokenizer.encode('hello') == tok.encode('hello')
 
 

@@ -82,14 +82,14 @@ def test_entropy_match_tracks_softmax(s2):
 
 
 def test_match_reaches_the_map_from_train_and_checkpoints(tmp_path):
-    name, extra = train.parse_attn_spec('lln:match=entropy')
-    assert (name, extra) == ('lln', {'match': 'entropy'})
+    spec = A.AttnSpec.parse('lln:match=entropy')
+    assert (spec.name, spec.options) == ('lln', (('match', 'entropy'),))
     cfg = train.TrainConfig(attn='lln:match=entropy', n_layer=1, n_head=2, n_embd=16, seq_len=16)
     model = train.build_model(cfg, vocab_size=32)
     assert {c.fmap.match for c in model.attention_cores()} == {'entropy'}
     path = str(tmp_path / 'ckpt.pt')
-    M.save_checkpoint(path, model)
-    model2, _ = M.load_checkpoint(path)
+    M.save(path, model)
+    model2, _ = M.load(path)
     assert {c.fmap.match for c in model2.attention_cores()} == {'entropy'}
     with pytest.raises(ValueError, match='unknown LLN match'):
         train.build_model(train.TrainConfig(attn='lln:match=bogus', n_layer=1, n_head=2, n_embd=16), 32)

@@ -9,7 +9,7 @@ import torch
 import model as M
 from attention import ATTN_CHOICES
 
-transformers = pytest.importorskip('transformers')
+import transformers  # a test dependency: missing, it fails the run (never a silent skip)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 V = 100
@@ -142,17 +142,16 @@ def test_bert_without_pooler_loads(tmp_path, kind, recwarn):
     assert logits.shape == (2, 2) and torch.isfinite(loss)
 
 
-PADDED_CHOICES = ([(a, {}) for a in ATTN_CHOICES] + [(a, {'window': 3}) for a in ('hedgehog', 'performer', 'elu')]
-                  + [('hedgehog', {'window': 3, 'window_combine': 'mix'}), ('lln', {'diag_block': 4}),
-                     ('hedgehog', {'diag_block': 4})])
+PADDED_CHOICES = (list(ATTN_CHOICES) + [f'{a}:window=3' for a in ('hedgehog', 'performer', 'elu')]
+                  + ['hedgehog:window=3:combine=mix', 'lln:diag_block=4', 'hedgehog:diag_block=4'])
 
 
-@pytest.mark.parametrize('attn,kw', PADDED_CHOICES)
-def test_padded_bert_real_rows_equal_unpadded(attn, kw):
+@pytest.mark.parametrize('attn', PADDED_CHOICES)
+def test_padded_bert_real_rows_equal_unpadded(attn):
     """Every attention choice through a 2-layer bidirectional model with a padding mask: the real tokens'
     hidden states are finite and equal to the unpadded run (a padded query whose window holds no real key
     used to put NaN into real rows from the second layer on)."""
-    model = tiny('bert', attn=attn, **kw)
+    model = tiny('bert', attn=attn)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, V, (2, 16), generator=g)
     mask = torch.ones(2, 16, dtype=torch.long)
@@ -236,8 +235,8 @@ def test_hub_name_without_network_gives_clear_error():
 
 def test_from_pretrained_with_linear_attention(tmp_path):
     hf = _hf_llama(tmp_path)
-    model = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog', attn_options={'feature_dim': 8}).eval()
-    assert all(c.attn == 'hedgehog' for c in model.attention_cores())
+    model = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=8').eval()
+    assert all(c.spec.name == 'hedgehog' for c in model.attention_cores())
     # the shared weights are the checkpoint's
     torch.testing.assert_close(model.transformer.h[1].attn.k_proj.weight, hf.model.layers[1].self_attn.k_proj.weight)
     idx = torch.randint(0, V, (1, 8))
@@ -272,36 +271,39 @@ def test_bad_config_errors():
 def test_set_attention_and_optimizer():
     model = tiny('llama')
     q = model.transformer.h[0].attn.q_proj.weight.clone()
-    model.set_attention('hedgehog', layers=[1], feature_dim=8)
+    model.set_attention('hedgehog:feature_dim=8', layers=[1])
     cores = model.attention_cores()
-    assert [c.attn for c in cores] == ['softmax', 'hedgehog'] and model.config.attn == 'softmax'
+    assert [c.spec.name for c in cores] == ['softmax', 'hedgehog'] and model.config.attn == 'softmax'
+    assert model.config.layer_attn == {1: 'hedgehog:feature_dim=8'}
     assert torch.equal(model.transformer.h[0].attn.q_proj.weight, q)
-    model.set_attention('elu', window=4)
-    assert model.config.attn == 'elu' and model.config.window == 4
-    assert all(c.attn == 'elu' and c.window == 4 for c in model.attention_cores())
-    assert sorted(M.FAMILIES) == ['bert', 'gpt2', 'llama'] and 'softmax' in ATTN_CHOICES
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
     decay, nodecay = opt.param_groups
-    assert all(p.dim() >= 2 for p in decay['params']) and all(p.dim() < 2 for p in nodecay['params'])
+    # weight decay only where zero is neutral: not on the identity-initialised hedgehog map (issue 22)
+    map_ids = {id(p) for p in cores[1].parameters()}
+    assert map_ids and map_ids <= {id(p) for p in nodecay['params']}
+    assert all(p.dim() >= 2 for p in decay['params']) and not map_ids & {id(p) for p in decay['params']}
+    assert all(p.dim() < 2 for n, p in model.named_parameters() if '.core.' not in n
+               and id(p) in {id(q) for q in nodecay['params']})
     n = sum(p.numel() for g in opt.param_groups for p in g['params'])
     assert n == sum(p.numel() for p in model.parameters())
+    model.set_attention('elu:window=4')
+    assert model.config.attn == 'elu:window=4' and model.config.layer_attn == {}
+    assert all(c.spec.name == 'elu' and c.spec.window == 4 for c in model.attention_cores())
+    assert sorted(M.FAMILIES) == ['bert', 'gpt2', 'llama'] and 'softmax' in ATTN_CHOICES
 
 
 # ----------------------------------------------------------------------------- generation
 
-GEN_CASES = [('gpt2', 'softmax', {}), ('gpt2', 'elu', {}), ('gpt2', 'hedgehog', {}),
-             ('llama', 'softmax', {}), ('llama', 'hedgehog', {'feature_dim': 8}),
-             ('llama', 'elu', {'window': 4}), ('gpt2', 'hedgehog', {'window': 4}),
-             ('llama', 'lolcats', {'diag_block': 4})]
+GEN_CASES = [('gpt2', 'softmax'), ('gpt2', 'elu'), ('gpt2', 'hedgehog'), ('llama', 'softmax'),
+             ('llama', 'hedgehog:feature_dim=8'), ('llama', 'elu:window=4'), ('gpt2', 'hedgehog:window=4'),
+             ('llama', 'lolcats:diag_block=4')]
 
 
-@pytest.mark.parametrize('family,attn,opts', GEN_CASES)
-def test_greedy_cached_equals_uncached(family, attn, opts):
+@pytest.mark.parametrize('family,attn', GEN_CASES)
+def test_greedy_cached_equals_uncached(family, attn):
     model = _spread(tiny(family))
-    opts = dict(opts)
-    window = opts.pop('window', 0)
     if attn != 'softmax':
-        model.set_attention(attn, window=window, **opts)
+        model.set_attention(attn)
     torch.manual_seed(1)
     prompt = torch.randint(0, V, (2, 7))
     a = model.generate(prompt, 20, temperature=0.0, use_cache=True)
@@ -338,7 +340,7 @@ def _state_bytes(model, n):
 def test_decode_memory(attn, window):
     model = tiny('llama', block_size=256)
     if attn != 'softmax':
-        model.set_attention(attn, window=window)
+        model.set_attention(f'{attn}:window={window}')
     small, large = _state_bytes(model, 16), _state_bytes(model, 64)
     if attn == 'softmax':
         assert large > small  # the KV cache grows with length
@@ -394,86 +396,104 @@ def test_generate_eos_sampling_and_limits():
 
 # ----------------------------------------------------------------------------- checkpoints
 
-@pytest.mark.parametrize('suffix', ['.safetensors', '.pt'])
-def test_checkpoint_round_trip(tmp_path, suffix):
+def test_checkpoint_round_trip(tmp_path):
     model = tiny()
-    model.set_attention('hedgehog', layers=[0], feature_dim=8)
+    model.set_attention('hedgehog:feature_dim=8', layers=[0])
     with torch.no_grad():
         for p in model.attention_cores()[0].parameters():
             p.add_(0.1)
-    path = tmp_path / 'sub' / f'ckpt{suffix}'
-    M.save_checkpoint(str(path), model, iter_num=7, note='hi')
+    path = tmp_path / 'sub' / 'ckpt.pt'
+    M.save(str(path), model, iter_num=7, note='hi', optimizer={'t': torch.zeros(2)})
     assert sorted(os.listdir(path.parent)) == [path.name]          # no temporary files left behind
-    loaded, extra = M.load_checkpoint(str(path))
-    assert extra == {'iter_num': 7, 'note': 'hi'}
-    assert [c.attn for c in loaded.attention_cores()] == ['hedgehog', 'softmax']
+    loaded, extra = M.load(str(path))
+    assert extra['iter_num'] == 7 and extra['note'] == 'hi'
+    assert torch.equal(extra['optimizer']['t'], torch.zeros(2))    # checkpoints may carry tensors (optimizer state)
+    assert [c.spec.name for c in loaded.attention_cores()] == ['hedgehog', 'softmax']
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     idx = torch.randint(0, V, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(idx)[0], model(idx)[0])
-    if suffix == '.safetensors':
-        with pytest.raises(TypeError, match='JSON'):
-            M.save_checkpoint(str(path), model, optimizer={'t': torch.zeros(2)})
-    else:   # torch checkpoints may carry tensors (optimizer state)
-        M.save_checkpoint(str(path), model, optimizer={'t': torch.zeros(2)})
-        assert torch.equal(M.load_checkpoint(str(path))[1]['optimizer']['t'], torch.zeros(2))
-    # a from_pretrained on our own checkpoint file, with a different attention
+        torch.testing.assert_close(M.load(str(path.parent))[0].eval()(idx)[0], model(idx)[0])   # the folder
+    # our own checkpoint with a different attention
     m3 = M.GPT.from_pretrained(str(path), attn='elu')
-    assert [c.attn for c in m3.attention_cores()] == ['elu', 'elu']
+    assert [c.spec.name for c in m3.attention_cores()] == ['elu', 'elu']
+    with pytest.raises(ValueError, match='not a checkpoint'):
+        torch.save({'x': 1}, tmp_path / 'other.pt')
+        M.load(str(tmp_path / 'other.pt'))
 
 
-def test_new_parameters_round_trip_and_strictness(tmp_path):
-    hf_dir = tmp_path / 'hf'
-    _hf_llama(hf_dir)
-    model = M.GPT.from_pretrained(str(hf_dir), attn='hedgehog', window=4, attn_options={'feature_dim': 8})
+def test_change_of_impl_keeps_trained_maps_change_of_map_says_so(tmp_path, capsys):
+    """Loading a checkpoint with another computation path (impl) keeps every trained parameter; another map
+    re-initialises the cores and says which (issue 22: --init_from ckpt.pt --impl recurrent dropped the maps)."""
+    model = tiny('llama', attn='hedgehog:feature_dim=8').eval()
     with torch.no_grad():
         for c in model.attention_cores():
             for p in c.parameters():
                 p.add_(torch.randn_like(p))
-    out = tmp_path / 'conv'
-    M.save_new_parameters(str(out), model, str(hf_dir))
-    manifest = json.loads((out / 'manifest.json').read_text())
-    assert manifest['base_model'] == str(hf_dir)
-    names = set(load_file(out / 'new_parameters.safetensors'))
-    assert names == set(manifest['parameters']) and names and all('.attn.core.' in n for n in names)
-    assert not any(f.endswith('.tmp') for f in os.listdir(out))
+    M.save(str(tmp_path / 'ckpt.pt'), model)
+    idx = torch.randint(0, V, (2, 9))
+    m2 = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=8:impl=recurrent').eval()
+    assert all(c.spec.impl == 'recurrent' for c in m2.attention_cores())
+    with torch.no_grad():
+        torch.testing.assert_close(m2(idx)[0], model(idx)[0], atol=1e-4, rtol=1e-4)
+    assert 're-initialised' not in capsys.readouterr().out
+    m3 = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=4')
+    assert 're-initialised' in capsys.readouterr().out and m3.attention_cores()[0].fmap.feature_dim == 4
+
+
+def test_converted_checkpoint_holds_only_new_tensors_and_is_strict(tmp_path):
+    hf_dir = tmp_path / 'hf'
+    _hf_llama(hf_dir)
+    model = M.GPT.from_pretrained(str(hf_dir), attn='hedgehog:window=4:feature_dim=8')
+    model.add_lora(rank=2, targets=('q_proj', 'v_proj'), layers=[1])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if '.core.' in n or 'lora_' in n:
+                p.add_(torch.randn_like(p))
+    out = tmp_path / 'conv' / 'ckpt.pt'
+    M.save(str(out), model, base=str(hf_dir))
+    saved = torch.load(out, weights_only=True)
+    assert saved['base'] == str(hf_dir)
+    names = set(saved['model'])
+    assert names and all('.attn.core.' in n or n.endswith(('lora_A', 'lora_B')) for n in names)
+    assert {n for n in names if 'lora_' in n} == {f'transformer.h.1.attn.{p}_proj.lora_{m}' for p in 'qv' for m in 'AB'}
+    assert not any(f.endswith('.tmp') for f in os.listdir(out.parent))
     idx = torch.randint(0, V, (1, 10))
     ref = model.eval()(idx)[0].detach()
-    # into a base model given the same attention
-    base = M.GPT.from_pretrained(str(hf_dir), attn='hedgehog', window=4, attn_options={'feature_dim': 8}).eval()
-    M.load_new_parameters(str(out), base)
-    torch.testing.assert_close(base(idx)[0].detach(), ref)
-    # rebuilt from the manifest alone (also through load_checkpoint on the folder)
-    rebuilt = M.load_new_parameters(str(out)).eval()
-    torch.testing.assert_close(rebuilt(idx)[0].detach(), ref)
-    rebuilt, extra = M.load_checkpoint(str(out))
+    rebuilt, _ = M.load(str(out.parent))                            # the base, then the new tensors
     torch.testing.assert_close(rebuilt.eval()(idx)[0].detach(), ref)
-    # strict: a model with another attention is refused
-    with pytest.raises(ValueError, match='differ'):
-        M.load_new_parameters(str(out), M.GPT.from_pretrained(str(hf_dir), attn='elu'))
-    # strict: unexpected names (e.g. LoRA weights saved but not added to the model)
-    extra = {'transformer.h.0.attn.q_proj.lora_A': torch.zeros(2, 32)}
-    M.save_new_parameters(str(tmp_path / 'lora'), model, str(hf_dir),
-                          include=lambda n: '.attn.core.' in n or n == 'transformer.h.0.attn.q_proj.weight')
-    sd = load_file(tmp_path / 'lora' / 'new_parameters.safetensors')
-    assert 'transformer.h.0.attn.q_proj.weight' in sd
-    sd.update(extra)
-    save_file(sd, tmp_path / 'lora' / 'new_parameters.safetensors')
-    man = json.loads((tmp_path / 'lora' / 'manifest.json').read_text())
-    man['parameters'].update({k: list(v.shape) for k, v in extra.items()})
-    (tmp_path / 'lora' / 'manifest.json').write_text(json.dumps(man))
+    # strict: unexpected names (e.g. LoRA weights of a layer the config has none on)
+    bad = dict(saved, model={**saved['model'], 'transformer.h.0.attn.q_proj.lora_A': torch.zeros(2, 32)})
+    torch.save(bad, tmp_path / 'bad.pt')
     with pytest.raises(ValueError, match='unexpected.*lora_A'):
-        M.load_new_parameters(str(tmp_path / 'lora'), base)
+        M.load(str(tmp_path / 'bad.pt'))
     # strict: missing names
-    sd = load_file(out / 'new_parameters.safetensors')
-    drop = sorted(sd)[0]
-    del sd[drop]
-    save_file(sd, out / 'new_parameters.safetensors')
-    man = json.loads((out / 'manifest.json').read_text())
-    del man['parameters'][drop]
-    (out / 'manifest.json').write_text(json.dumps(man))
+    drop = sorted(names)[0]
+    torch.save(dict(saved, model={k: v for k, v in saved['model'].items() if k != drop}), tmp_path / 'miss.pt')
     with pytest.raises(ValueError, match='missing'):
-        M.load_new_parameters(str(out), base)
+        M.load(str(tmp_path / 'miss.pt'))
+
+
+def test_capture_qkv_records_what_the_cores_see_and_runs_the_teacher():
+    """q, k, v recorded from one forward equal the projections computed by hand (GPT-2: no RoPE), and with
+    teacher=True a converted model gives its softmax teacher's logits."""
+    teacher = tiny('gpt2', n_layer=1)
+    x = torch.randint(0, V, (2, 7))
+    with torch.no_grad(), teacher.capture_qkv() as rec:
+        logits = teacher(x)[0]
+        tr = teacher.transformer
+        h = tr.h[0].ln_1(tr.wte(x) + tr.wpe(torch.arange(7)))
+        heads = lambda t: t.view(2, 7, 4, 8).transpose(1, 2)        # (B, nh, T, hs)
+        for got, proj in zip(rec[0][:3], ('q_proj', 'k_proj', 'v_proj')):
+            torch.testing.assert_close(got, heads(getattr(tr.h[0].attn, proj)(h)))
+    assert rec[0][3] is None
+    student = tiny('gpt2', n_layer=1)
+    student.set_attention('hedgehog')
+    with torch.no_grad():
+        assert not torch.allclose(student(x)[0], logits)
+        with student.capture_qkv(teacher=True):
+            torch.testing.assert_close(student(x)[0], logits)
+        assert not any(c.teacher for c in student.attention_cores())
 
 
 def test_init_std_fields():
@@ -513,10 +533,10 @@ def test_short_conv_module_matches_its_formula():
     torch.testing.assert_close(torch.cat(ys, 1), conv(x, past)[0])
 
 
-@pytest.mark.parametrize('attn,window', [('softmax', 0), ('hedgehog', 0), ('elu', 4)])
-def test_short_conv_in_the_model(attn, window):
-    plain = tiny('llama', attn=attn, window=window)
-    model = tiny('llama', attn=attn, window=window, short_conv=3)
+@pytest.mark.parametrize('attn', ['softmax', 'hedgehog', 'elu:window=4'])
+def test_short_conv_in_the_model(attn):
+    plain = tiny('llama', attn=attn)
+    model = tiny('llama', attn=attn, short_conv=3)
     idx = torch.randint(0, V, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[0], plain(idx)[0])    # identity at initialisation
@@ -547,8 +567,8 @@ def test_short_conv_config_errors_and_checkpoint(tmp_path):
     model = tiny('gpt2', short_conv=2)
     with torch.no_grad():
         model.transformer.h[1].attn.k_conv.weight.normal_()
-    M.save_checkpoint(str(tmp_path / 'c.safetensors'), model)
-    loaded, _ = M.load_checkpoint(str(tmp_path / 'c.safetensors'))
+    M.save(str(tmp_path / 'ckpt.pt'), model)
+    loaded, _ = M.load(str(tmp_path))
     assert loaded.config.short_conv == 2
     idx = torch.randint(0, V, (1, 10))
     with torch.no_grad():

@@ -145,11 +145,11 @@ def test_scratch_training_uses_bytes_unless_gpt2_is_asked_for(tmp_path, monkeypa
     text = tmp_path / 'corpus.txt'
     text.write_text('the cat sat on the mat. ' * 40)
     argv = ['--task', 'text', '--data', str(text), '--n_layer', '1', '--n_head', '2', '--n_embd', '16', '--seq_len',
-            '16', '--batch_size', '4', '--max_iters', '1', '--eval_iters', '1', '--attn', 'elu', '--device', 'cpu']
+            '16', '--batch_size', '4', '--max_iters', '1', '--attn', 'elu', '--device', 'cpu']
     _tiktoken_gpt2(monkeypatch, cached=True)
     s = train.main(argv + ['--out_dir', str(tmp_path / 'a')])
     assert s['tokenizer'] == 'byte' and s['model_config']['vocab_size'] == 257
-    assert M.load_checkpoint(str(tmp_path / 'a' / 'ckpt.pt'))[0].tokenizer.fingerprint == T.ByteTokenizer().fingerprint
+    assert M.load(str(tmp_path / 'a' / 'ckpt.pt'))[0].tokenizer.fingerprint == T.ByteTokenizer().fingerprint
     s = train.main(argv + ['--out_dir', str(tmp_path / 'b'), '--tokenizer', 'gpt2'])
     assert s['tokenizer'] == 'tiktoken-gpt2' and s['model_config']['vocab_size'] == 259
     _tiktoken_gpt2(monkeypatch, cached=False)
@@ -244,43 +244,35 @@ def test_user_story_bert_tokenizer_travels(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / 'ft')
     train.main(['--task', 'glue', '--glue_task', 'cola', '--data', data, '--init_from', bert, '--seq_len', '32',
                 '--max_iters', '2', '--eval_interval', '2', '--batch_size', '4', '--device', 'cpu', '--out_dir', out])
-    ft, _ = M.load_checkpoint(os.path.join(out, 'ckpt.pt'))
+    ft, _ = M.load(os.path.join(out, 'ckpt.pt'))
     assert isinstance(ft.tokenizer, T.HFTokenizer)
     assert ft.tokenizer.fingerprint == T.HFTokenizer.from_folder(bert).fingerprint
     # 2. convert.py --init_from that checkpoint encodes GLUE with it: exactly the HF tokenizer's ids
-    seen = {}
-
-    class Recording(C.GlueData):
-        def __init__(self, train_rows, *a, **k):
-            seen['train'] = train_rows
-            super().__init__(train_rows, *a, **k)
-    monkeypatch.setattr(C, 'GlueData', Recording)
     conv = str(tmp_path / 'conv')
+    argv = ['--init_from', os.path.join(out, 'ckpt.pt'), '--task', 'glue', '--glue_task', 'cola', '--data', data,
+            '--attn', 'hedgehog', '--stage1_iters', '1', '--stage2_iters', '1', '--block_size', '32',
+            '--batch_size', '4', '--eval_batches', '1', '--out_dir', conv]
     capsys.readouterr()
-    C.run(C.get_parser().parse_args([
-        '--init_from', os.path.join(out, 'ckpt.pt'), '--task', 'glue', '--glue_task', 'cola', '--data', data,
-        '--attn', 'hedgehog', '--stage1_iters', '1', '--stage2_iters', '1', '--block_size', '32', '--batch_size', '4',
-        '--eval_batches', '1', '--log_interval', '1000', '--out_dir', conv]))
+    C.main(argv)
     assert 'tokenizer: hf:' in capsys.readouterr().out
+    cfg, _ = train.parse_config(C.ConvertConfig, argv)
+    idx, mask, types, _ = C.load_task(cfg, M.load(os.path.join(out, 'ckpt.pt'))[0]).splits['train']
     rows = train.load_glue('cola', data, 'train')
     want = [hf(a, b, truncation=True, max_length=32) for a, b, _ in rows]
-    assert [r['input_ids'] for r in seen['train']] == [list(w['input_ids']) for w in want]
-    assert [r['token_type_ids'] for r in seen['train']] == [list(w['token_type_ids']) for w in want]
-    assert seen['train'][0]['input_ids'][0] == hf.cls_token_id                # not byte ids
-    assert not any(hf.unk_token_id in r['input_ids'] for r in seen['train'])  # every word is in the vocabulary
-    manifest = C.read_manifest(conv)
-    assert manifest['tokenizer']['fingerprint'] == ft.tokenizer.fingerprint
-    assert C.load_converted(conv).tokenizer.fingerprint == ft.tokenizer.fingerprint
+    assert [r[m.bool()].tolist() for r, m in zip(idx, mask)] == [list(w['input_ids']) for w in want]
+    assert [r[m.bool()].tolist() for r, m in zip(types, mask)] == [list(w['token_type_ids']) for w in want]
+    assert idx[0, 0] == hf.cls_token_id                                         # not byte ids
+    assert not (idx == hf.unk_token_id).any()                                   # every word is in the vocabulary
+    assert M.load(conv)[0].tokenizer.fingerprint == ft.tokenizer.fingerprint
     # 3. eval.py on the converted folder uses it too
     ev_out = str(tmp_path / 'ev')
     assert ev.main(['--ckpt', conv, '--glue', 'cola', '--data', data, '--out_dir', ev_out]) == 0
     with open(os.path.join(ev_out, 'glue.json')) as f:
         assert json.load(f)['tokenizer'].startswith('hf:')
-    # 4. a base whose tokenizer changed is an error
+    # 4. the converted checkpoint carries its tokenizer: a base whose tokenizer changed does not change it
     ft.tokenizer = T.ByteTokenizer()
-    M.save_checkpoint(os.path.join(out, 'ckpt.pt'), ft)
-    with pytest.raises(C.ConversionError, match="base model's tokenizer .* is not the one this folder was saved"):
-        C.load_converted(conv)
+    M.save(os.path.join(out, 'ckpt.pt'), ft)
+    assert M.load(conv)[0].tokenizer.fingerprint == T.HFTokenizer.from_folder(bert).fingerprint
 
 
 def test_model_without_tokenizer_is_an_error_not_byte_ids(tmp_path, capsys):
@@ -296,14 +288,15 @@ def test_model_without_tokenizer_is_an_error_not_byte_ids(tmp_path, capsys):
     assert 'carries no tokenizer' in err and '--tokenizer' in err and len(err.strip().splitlines()) == 1
     argv = ['--init_from', bare, '--task', 'glue', '--data', data, '--stage1_iters', '0', '--stage2_iters', '0',
             '--block_size', '32', '--eval_batches', '1', '--out_dir', str(tmp_path / 'c')]
-    assert C.main(argv) == 2
-    assert 'pass --tokenizer' in capsys.readouterr().err
-    assert C.main(argv + ['--tokenizer', bert]) == 0
-    assert C.load_converted(str(tmp_path / 'c')).tokenizer.fingerprint == T.HFTokenizer.from_folder(bert).fingerprint
+    with pytest.raises(SystemExit) as e:
+        C.main(argv)
+    assert e.value.code == 2 and '--tokenizer' in capsys.readouterr().err
+    C.main(argv + ['--tokenizer', bert])
+    assert M.load(str(tmp_path / 'c'))[0].tokenizer.fingerprint == T.HFTokenizer.from_folder(bert).fingerprint
     # an old checkpoint without a tokenizer, and a tokenizer with more ids than the model has
     torch.manual_seed(0)
     gpt = M.GPT(M.GPTConfig(family='gpt2', vocab_size=20, block_size=32, n_layer=1, n_head=2, n_embd=16))
-    M.save_checkpoint(str(tmp_path / 'old.pt'), gpt)
+    M.save(str(tmp_path / 'old.pt'), gpt)
     text = tmp_path / 't.txt'
     text.write_text('the cat sat on the mat ' * 20)
     base = ['--ckpt', str(tmp_path / 'old.pt'), '--ppl', '--data', str(text), '--context', '16',
