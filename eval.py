@@ -13,8 +13,8 @@ matplotlib is installed).
 --ckpt: a train.py checkpoint (or its out_dir), a convert.py folder, a Hugging Face folder or hub name, a .gguf
 file. Text is encoded with the model's own tokenizer, or with --tokenizer PATH's.
 
-In reading order: loading (load_model, load, capture_qk); perplexity (ppl_windows, perplexity: the project's
-one); GLUE (report_glue, predict_glue); ROUGE (summarize, rouge by the rouge-score package); generate (next to
+In reading order: loading (load_model, load, capture_qk); perplexity (report_ppl, on train.perplexity, the
+project's one); GLUE (report_glue, predict_glue); ROUGE (summarize, rouge by the rouge-score package); generate (next to
 the softmax teacher); attention fidelity (fidelity_stats, report_fidelity, fidelity_figures); LLN Fig. 2 (lln_fig2,
 report_lln); benchmarks (timed by torch.utils.benchmark.Timer, peak_memory_mb, bench_forward for attention and
 prefill, bench_decode, bench_markdown, report_bench with its plot); the command line (build_parser, main).
@@ -111,49 +111,7 @@ def capture_qk(model, idx, teacher=False):
 
 
 # -----------------------------------------------------------------------------------------------------------
-# perplexity
-
-def ppl_windows(n_tokens, context, stride):
-    """Sliding windows over the n_tokens-1 next-token predictions: (begin, end, n_new) with inputs
-    ids[begin:end], targets ids[begin+1:end+1], of which only the last n_new are scored (each once)."""
-    if stride < 1 or context < 1 or stride > context:
-        raise EvalError(f'need 1 <= stride <= context (got context={context}, stride={stride})')
-    m, out, prev = n_tokens - 1, [], 0
-    for b in range(0, max(m, 0), stride):
-        e = min(b + context, m)
-        if e > prev:
-            out.append((b, e, e - prev))
-        prev = e
-        if e == m:
-            break
-    return out
-
-
-@torch.no_grad()
-def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
-    """Token-weighted mean NLL of every next-token prediction of ids (1-D), by sliding windows (HF style): each
-    token is scored once, with up to context-1 tokens before it (at least context-stride after the first window).
-    Returns {'nll', 'ppl' (exp(nll); inf past exp(700)), 'tokens_scored', 'windows', 'context', 'stride'}."""
-    ids = torch.as_tensor(ids, dtype=torch.long)
-    windows = ppl_windows(ids.numel(), context, stride)
-    if not windows:
-        raise EvalError('need at least 2 tokens of text for perplexity')
-    nll, count = 0.0, 0
-    for length, same in itertools.groupby(windows, key=lambda w: w[1] - w[0]):  # only the last may be shorter
-        same = list(same)
-        for i in range(0, len(same), batch_size):
-            group = same[i:i + batch_size]
-            x = torch.stack([ids[b:e] for b, e, _ in group])              # (B, length)
-            y = torch.stack([ids[b + 1:e + 1] for b, e, _ in group])      # (B, length)
-            for r, (_, _, n) in enumerate(group):
-                y[r, :length - n] = -100                                  # scored by an earlier window
-            _, loss = model(x.to(device), targets=y.to(device))
-            n = sum(n for _, _, n in group)
-            nll, count = nll + float(loss) * n, count + n
-    nll /= count
-    return {'nll': nll, 'ppl': math.exp(nll) if nll < 700 else math.inf, 'tokens_scored': count,
-            'windows': len(windows), 'context': context, 'stride': stride}
-
+# perplexity (train.perplexity, the project's one)
 
 def report_ppl(args):
     model, _, tok = load(args, 'ppl')
@@ -161,7 +119,7 @@ def report_ppl(args):
     ids = tok.encode(text)[:args.limit or None]
     context, attn, t0 = args.context or min(model.config.block_size, 1024), describe_attention(model), time.time()
     log(f'tokenizer: {tok.name}; data: {source} ({len(ids):,} tokens); attention: {attn}')
-    res = perplexity(model, ids, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
+    res = train.perplexity(model, ids, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
     res.update(ckpt=args.ckpt, data=source, tokenizer=tok.name, attn=attn, seconds=round(time.time() - t0, 2))
     log(f'perplexity {res["ppl"]:.3f} (mean NLL {res["nll"]:.4f} nats/token) over {res["tokens_scored"]:,} tokens, '
         f'context {context}, stride {res["stride"]}, {res["windows"]} windows, {res["seconds"]} s')

@@ -112,7 +112,7 @@ def test_rouge_report(tmp_path):
 @pytest.mark.parametrize('n,context,stride', [(2, 4, 4), (10, 4, 4), (11, 4, 2), (50, 16, 5), (17, 16, 16), (5, 8, 3)])
 def test_ppl_windows_score_every_token_once(n, context, stride):
     seen = []
-    for b, e, new in ev.ppl_windows(n, context, stride):
+    for b, e, new in train.ppl_windows(n, context, stride):
         assert e - b <= context and 0 < new <= e - b
         seen += list(range(e - new + 1, e + 1))  # target positions scored by this window
     assert seen == list(range(1, n))
@@ -122,7 +122,7 @@ def test_ppl_matches_direct_computation(tmp_path):
     m, _ = _tiny_gpt(tmp_path)
     ids = torch.randint(0, m.config.vocab_size, (131,), generator=torch.Generator().manual_seed(1))
     C = 32
-    res = ev.perplexity(m, ids, context=C, stride=C, batch_size=3)
+    res = train.perplexity(m, ids, context=C, stride=C, batch_size=3)
     # direct: non-overlapping blocks of C inputs, log-softmax of the full logits
     nll, count = 0.0, 0
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_ppl_matches_direct_computation(tmp_path):
     assert res['nll'] == pytest.approx(nll / count, rel=1e-5)
     assert res['ppl'] == pytest.approx(math.exp(nll / count), rel=1e-5)
     # a smaller stride scores the same tokens, with more context
-    res2 = ev.perplexity(m, ids, context=C, stride=8)
+    res2 = train.perplexity(m, ids, context=C, stride=8)
     assert res2['tokens_scored'] == count and math.isfinite(res2['ppl'])
 
 
