@@ -195,15 +195,18 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
 
 
 def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_GPT2, n_samples: int = 256,
-                        clip: int | None = None, min_dim: int = 2, seed: int = 0, verbose: bool = True):
+                        clip: int | None = None, unit: int = 1, seed: int = 0, verbose: bool = True):
     """DoF Algorithm 1 (+ Clip): layer_qk {layer: (q, k)}, q, k (H, M, D) teacher queries/keys after RoPE.
-    Returns (dims {layer: int}, table: a dict per layer; with a clip each also has 'unclipped')."""
+    unit: feature dims come in multiples of it (hedgehog's F is 2 x its MLP outputs: those are allocated);
+    every layer gets at least 2. Returns (dims {layer: int}, table: a dict per layer, with a clip also the
+    'unclipped' dim)."""
     g = torch.Generator().manual_seed(seed)
     layers = sorted(layer_qk)
     per_head = [head_dofs(*layer_qk[l], lam, n_samples, g) for l in layers]
     layer_dof = [max(d) for d in per_head]
-    dims = allocate_dims(layer_dof, budget, clip=clip, min_dim=min_dim)
-    free = allocate_dims(layer_dof, budget, min_dim=min_dim)
+    alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit, clip=c and c // unit,
+                                                       min_dim=max(1, 2 // unit))]
+    dims, free = alloc(clip), alloc(None)
     table = [dict(layer=l, dof_heads=[round(x, 3) for x in h], dof_max=round(d, 3), feature_dim=fd,
                   **({'unclipped': u} if clip is not None else {}))
              for l, h, d, fd, u in zip(layers, per_head, layer_dof, dims, free)]
@@ -361,22 +364,18 @@ def teacher_qk(model, batches, layers, rt):
 
 def swap(model, cfg, layers, qk):
     """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k)."""
-    spec, specs = cfg.spec, {l: cfg.spec for l in layers}
-    if cfg.dof_budget:
-        f = 2 if spec.name == 'hedgehog' else 1   # hedgehog's F = 2 x (MLP outputs): allocate the MLP outputs
-        clip = model.config.head_dim if cfg.dof_clip else None
+    spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
+    if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
+        unit = 2 if spec.name == 'hedgehog' else 1
         pooled = {l: tuple(x.transpose(0, 1).flatten(1, 2)[:, :4096].cpu() for x in qk[l]) for l in layers}
-        dims, table = select_feature_dims(pooled, cfg.dof_budget / f, cfg.dof_lambda, cfg.dof_samples, clip=clip,
-                                          min_dim=1 if f == 2 else 2, seed=cfg.seed, verbose=False)
-        for r in table:
-            r.update(feature_dim=f * r['feature_dim'], **({'unclipped': f * r['unclipped']} if clip else {}))
-        print(format_dof_table(table, cfg.dof_budget, cfg.dof_lambda, cfg.dof_samples, clip and f * clip))
-        opts = dict(spec.options)
-        specs = {l: replace(spec, options=tuple(sorted({**opts, 'feature_dim': f * d}.items())))
+        clip = unit * model.config.head_dim if cfg.dof_clip else None
+        dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda, cfg.dof_samples, clip,
+                                                     unit, cfg.seed)
+        specs = {l: replace(spec, options=tuple(sorted({**dict(spec.options), 'feature_dim': d}.items())))
                  for l, d in dims.items()}
     for l, s in specs.items():
         model.set_attention(s, [l])
-    return {'dof_table': table} if cfg.dof_budget else {}
+    return out
 
 
 @torch.no_grad()
@@ -463,6 +462,8 @@ def run(cfg):
                    teacher=evaluate(model, module, task, cfg, rt, []).get('quality'), stages={})
     if cfg.task == 'lm' and summary['teacher']:
         summary['unigram'] = unigram_loss(task.splits['train'], task.splits['val'], c.vocab_size)
+    print("== teacher: " + ' | '.join(f"{k} {v:.4g}" for k, v in (summary['teacher'] or {}).items()
+                                      if isinstance(v, float)), flush=True)
     if cfg.spec.name != 'softmax':   # softmax: the control run, stage 2 on the teacher itself
         qk = teacher_qk(model, calib, layers, rt)
         summary.update(swap(model, cfg, layers, qk))

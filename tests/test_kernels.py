@@ -304,7 +304,7 @@ def test_compiled_kernel_cuda(dtype):
     B, H, T, F, D = 2, 3, 1000, 128, 64
     xs = [x.detach().cuda() for x in make(B, H, T, F, D, init=True)]
     xs = [x.to(dtype if i < 3 else torch.float32).requires_grad_() for i, x in enumerate(xs)]
-    y, (S, z) = kernels.triton_causal_linear_attention(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
+    y, (S, z) = kernels.causal_linear_attention(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
     gy = torch.randn_like(y, dtype=torch.float32)
     grads = torch.autograd.grad((y.float() * gy).sum() + S.sum() + z.sum(), xs)
     xr = [x.detach().double().requires_grad_() for x in xs]
