@@ -284,11 +284,12 @@ def parse_list(s, what, kind=int):
 
 
 def parse_maps(s):
-    """--maps 'elu,exp:t=2' -> [(label, attention.AttnSpec)], the label as written; softmax is the reference."""
-    specs = [(m, attention.AttnSpec.parse(m)) for m in map(str.strip, s.split(',')) if m]
-    if any(spec.name == 'softmax' for _, spec in specs):
-        raise EvalError(f'--maps {s!r}: softmax is the reference; choose from {", ".join(attention.FEATURE_MAPS)}')
-    return specs
+    """--maps 'elu,exp:t=2' -> [(label, attention.AttnSpec)], the label as written (softmax is the reference)."""
+    specs = [m for m in map(str.strip, s.split(',')) if m]
+    bad = [m for m in specs if m.partition(':')[0] not in attention.FEATURE_MAPS]
+    if bad:
+        raise EvalError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
+    return [(m, attention.AttnSpec.parse(m)) for m in specs]
 
 
 def parse_heads(s, n_layer, n_head):
@@ -703,9 +704,9 @@ def report_bench(args):
 class EvalConfig:   # the flags (train.parse_config); the reports first, one per run
     ppl: bool = False             # perplexity on --data (text file, folder, datasets name)
     glue: Literal[('', *train.GLUE_TASKS)] = ''   # GLUE task on its validation split
-    rouge: bool = False           # ROUGE-1/2/L of generated summaries (JSONL or SAMSum)
+    rouge: bool = False           # ROUGE-1/2/L of greedy summaries of dialogues (JSONL or SAMSum)
     generate: bool = False        # greedy continuations by the model (and a convert.py folder's softmax teacher)
-    fidelity: bool = False        # attention fidelity vs softmax, with figures
+    fidelity: bool = False        # attention fidelity: KL to softmax, entropy, monotonicity, with figures
     bench: str = ''               # comma-separated, of attention, prefill, decode, all
     lln: bool = False             # LLN Fig. 2: entropy and spectral gap vs temperature on Gaussian q, k (no --ckpt)
     ckpt: str = ''                # checkpoint from train.py/convert.py, HF folder, .gguf file or hub name
