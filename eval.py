@@ -13,14 +13,12 @@ matplotlib is installed).
 --ckpt: a train.py checkpoint (or its out_dir), a convert.py folder, a Hugging Face folder or hub name, a .gguf
 file. Text is encoded with the model's own tokenizer, or with --tokenizer PATH's.
 
-In reading order: loading (load_model, load, capture_qk); perplexity (report_ppl, on train.perplexity, the
-project's one); GLUE (report_glue, predict_glue); ROUGE (summarize, rouge by the rouge-score package); generate (next to
-the softmax teacher); attention fidelity (fidelity_stats, report_fidelity, fidelity_figures); LLN Fig. 2 (lln_fig2,
-report_lln); benchmarks (timed by torch.utils.benchmark.Timer, peak_memory_mb, bench_forward for attention and
-prefill, bench_decode, bench_markdown, report_bench with its plot); the command line (build_parser, main).
+In reading order: loading; perplexity (train.perplexity); GLUE; ROUGE (rouge-score); generate (next to the
+softmax teacher); attention fidelity; LLN Fig. 2; benchmarks (torch.utils.benchmark); the command line.
 """
-import argparse
+import contextlib
 import ctypes
+import io
 import itertools
 import json
 import math
@@ -28,12 +26,15 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch.utils import benchmark
 
 import attention
+import model as M
+import tokenizer
 import train
 
 REPORTS = ['ppl', 'glue', 'rouge', 'generate', 'fidelity', 'bench', 'lln']
@@ -62,7 +63,6 @@ def log(*a):
 
 def load_model(ckpt, device='cpu'):
     """(model, extra) by model.load, its error in one line."""
-    import model as M
     try:
         m, extra = M.load(ckpt)
     except Exception as e:  # noqa: BLE001 - one line for the user, whatever the loader raised
@@ -70,10 +70,9 @@ def load_model(ckpt, device='cpu'):
     return m.to(device).eval(), extra
 
 
-def load(args, causal_for=None, tokenizer=True):
+def load(args, causal_for=None, with_tokenizer=True):
     """(model, extra, tokenizer) of --ckpt, the tokenizer the model's own or --tokenizer's (tokenizer.resolve);
     causal_for: the report that needs a causal model. --context must fit the model's block_size."""
-    import tokenizer as T
     if not args.ckpt:
         raise EvalError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
     model, extra = load_model(args.ckpt, args.device)
@@ -81,19 +80,13 @@ def load(args, causal_for=None, tokenizer=True):
         raise EvalError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
     if args.context > model.config.block_size:
         raise EvalError(f'--context {args.context} > model block_size {model.config.block_size}')
-    try:
-        return model, extra, T.resolve(model, args.tokenizer) if tokenizer else None
-    except (T.TokenizerError, OSError) as e:
-        raise EvalError(str(e).splitlines()[0])
+    return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 
 def load_text(data):
     """--data: a text file, a folder of .txt files or a `datasets` name:config (its test split)."""
     data = data or 'wikitext:wikitext-103-raw-v1'
-    try:
-        return train.load_text(data, 'test'), data
-    except ValueError as e:
-        raise EvalError(str(e))
+    return train.load_text(data, 'test'), data
 
 
 def describe_attention(model):
@@ -131,27 +124,19 @@ def report_ppl(args):
 
 def report_glue(args):
     """A finetuned classifier (train.py --task glue, or a BERT with its head) on the task's validation split."""
-    try:
-        task = train.glue_task_name(args.glue)
-    except ValueError:
-        raise EvalError(f'--glue {args.glue!r}: choose from {", ".join(train.GLUE_TASKS)}')
     model, extra, tok = load(args)
-    tc, num_labels, bert = extra.get('train_config') or {}, train.glue_num_labels(task), model.config.family == 'bert'
-    if tc.get('task') == 'glue' and tc.get('glue_task') and train.glue_task_name(tc['glue_task']) != task:
+    task, tc, bert = args.glue, extra.get('train_config') or {}, model.config.family == 'bert'
+    num_labels = train.glue_num_labels(task)
+    if tc.get('task') == 'glue' and tc.get('glue_task', task) != task:
         raise EvalError(f'--ckpt was finetuned on {tc["glue_task"]}, not {task}')
     if bert and model.config.num_labels != num_labels:
-        raise EvalError(f'{task} has {num_labels} label(s) but the checkpoint classifier has '
-                        f'{model.config.num_labels}: not a {task} checkpoint')
+        raise EvalError(f'{task} has {num_labels} label(s), the checkpoint classifier {model.config.num_labels}')
     if not bert and not extra.get('cls_head'):
-        raise EvalError('--ckpt has no classifier: want a bert checkpoint with num_labels > 0, or a train.py '
-                        '--task glue checkpoint (its head is saved as cls_head)')
+        raise EvalError('--ckpt has no classifier: want a bert with num_labels > 0 or a train.py --task glue one')
     module = train.Classifier(model, num_labels)
     if not bert:
         module.head.load_state_dict(extra['cls_head'])
-    try:
-        dev = train.load_glue(task, args.data, 'validation')[:args.limit or None]
-    except ValueError as e:
-        raise EvalError(str(e))
+    dev = train.load_glue(task, args.data, 'validation')[:args.limit or None]
     if not dev:
         raise EvalError(f'no labelled validation examples for {task} in {args.data}')
     enc = train.GlueEncoder(tok, tc.get('seq_len') or model.config.block_size, verbose=False)
@@ -248,8 +233,8 @@ def report_rouge(args):
 def generate_prompts(args, tok):
     """--prompt (repeatable); else from --data: with --context N, --limit (default 3) passages of N tokens at
     evenly spaced offsets (long prompts reach a window hybrid's linear part), else one per line; else built-ins."""
-    if args.prompt or not args.data:
-        return list(args.prompt or DEFAULT_PROMPTS)
+    if args.prompts or not args.data:
+        return args.prompts or list(DEFAULT_PROMPTS)
     text = load_text(args.data)[0]
     if not args.context:
         return [p for p in text.splitlines() if p.strip()][:args.limit or None]
@@ -299,15 +284,12 @@ def parse_list(s, what, kind=int):
 
 
 def parse_maps(s):
-    """--maps 'elu,exp:t=2' -> [(label, attention.AttnSpec)], the label as written."""
-    specs = [m.strip() for m in (s or '').split(',') if m.strip()]
+    """--maps 'elu,exp:t=2' -> [(label, attention.AttnSpec)], the label as written (softmax is the reference)."""
+    specs = [m for m in map(str.strip, s.split(',')) if m]
     bad = [m for m in specs if m.partition(':')[0] not in attention.FEATURE_MAPS]
     if bad:
         raise EvalError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
-    try:
-        return [(spec, attention.AttnSpec.parse(spec)) for spec in specs]
-    except ValueError as e:
-        raise EvalError(f'--maps {s!r}: {e}')
+    return [(m, attention.AttnSpec.parse(m)) for m in specs]
 
 
 def parse_heads(s, n_layer, n_head):
@@ -380,10 +362,9 @@ def report_fidelity(args):
         own = {} if core.spec.name == 'softmax' else {f'{core.spec} (model)': lambda q_, k_, c=core: c.weights(
             q_.to(args.device), k_.to(args.device)).cpu()}
         stats, weights = fidelity_stats(q, k, {**own, **compared_maps(specs, cfg, q, k, core.causal)}, core.causal)
-        per_head = {n: {m: v.tolist() for m, v in s.items()} for n, s in stats.items()}
         layers.append({'layer': li, 'attn': str(core.spec), 'heads': [
-            {'head': h, 'softmax': {m: v[h] for m, v in per_head['softmax'].items()},
-             'maps': {n: {m: v[h] for m, v in s.items()} for n, s in per_head.items() if n != 'softmax'}}
+            {'head': h, 'softmax': {m: v[h].item() for m, v in stats['softmax'].items()},
+             'maps': {n: {m: v[h].item() for m, v in s.items()} for n, s in stats.items() if n != 'softmax'}}
             for h in range(q.shape[1])]})
         for name, s in stats.items():
             for m, v in s.items():
@@ -400,16 +381,6 @@ def report_fidelity(args):
             'figures': fidelity_figures(args.out_dir, qk, first, layers, summary, pairs, cores)}
 
 
-def _matplotlib():
-    try:
-        import matplotlib.pyplot as plt
-        plt.switch_backend('Agg')
-        return plt
-    except ImportError:
-        log('matplotlib not installed: no figures (the numbers are in the JSON)')
-        return None
-
-
 def _save_figure(fig, out_dir, name):
     """Lay out, write out_dir/name as PNG, close; returns the path."""
     import matplotlib.pyplot as plt
@@ -424,12 +395,15 @@ def _save_figure(fig, out_dir, name):
 def line_plots(panels, title, ncols=None):
     """A figure of line plots; panels: [{'series': {label: (xs, ys)}, 'title', 'xlabel', 'xscale', ...}] (the
     rest goes to Axes.set). softmax black; past 10 maps the colours repeat, dashed. (fig, axes) or (None, None)."""
-    plt = _matplotlib()
-    if plt is None:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log('matplotlib not installed: no figures (the numbers are in the JSON)')
         return None, None
+    plt.switch_backend('Agg')
     ncols = ncols or len(panels)
-    fig, axes = plt.subplots(-(-len(panels) // ncols), ncols, figsize=(4.6 * ncols, 3.4 * -(-len(panels) // ncols)),
-                             squeeze=False)
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False)
     labels = [lab for lab in dict.fromkeys(lab for p in panels for lab in p['series']) if lab != 'softmax']
     for ax, panel in zip(axes.flat, panels):
         for label, (xs, ys) in panel['series'].items():
@@ -448,9 +422,6 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     (Hedgehog Fig. 7/9); weight against q.k/sqrt(d) on the first pair's last SCATTER_ROWS query rows, which see
     about T keys each so their weights are comparable (Hedgehog Fig. 3; rho = monotonicity over all rows);
     entropy and KL(softmax || map) per layer, mean over heads."""
-    plt = _matplotlib()
-    if plt is None:
-        return []
     panels = []
     for key, title, yscale in (('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
                                ('kl_per_layer', 'KL(softmax || map) per layer', 'log')):
@@ -458,8 +429,12 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
                   for name, s in summary.items() if key in s}
         panels.append({'series': series, 'title': title, 'xlabel': 'layer', 'yscale': yscale,
                        'xticks': range(len(layers))})
-    files = [_save_figure(line_plots(panels, 'attention entropy and KL per layer')[0], out_dir, 'fidelity_entropy.png')]
+    fig, _ = line_plots(panels, 'attention entropy and KL per layer')
+    if fig is None:     # no matplotlib
+        return []
+    import matplotlib.pyplot as plt
     from matplotlib.colors import PowerNorm
+    files = [_save_figure(fig, out_dir, 'fidelity_entropy.png')]
     names = list(dict.fromkeys(n for li, _ in pairs for n in weights[li]))
     T = min(FIG_TOKENS, weights[0]['softmax'].shape[-1])
     fig, axes = plt.subplots(len(pairs), len(names), figsize=(2.3 * len(names), 2.3 * len(pairs)), squeeze=False)
@@ -507,10 +482,9 @@ LLN_FIG2_METHODS = [('softmax', 'softmax', {}), ('lln paper', 'lln', {'match': '
 def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
     """Row entropy (bits) and spectral gap of bidirectional attention matrices against the softmax temperature
     sigma^2 = sigma_q^2 sigma_k^2 (LLN Fig. 2): q, k ~ N(0, sqrt(sigma^2) I_D), so sigma_q^2 = sigma_k^2 = sigma;
-    `seeds` independent sequences (the same unit draws, rescaled, at every sigma^2; generator seed 1000 + seed, so
-    they are not the samples the LLN fits were made on). LLN maps are calibrated on the q, k they are applied to.
-    Returns {label: {'entropy_bits', 'entropy_std', 'spectral_gap', 'spectral_gap_std'[, 'alpha']}}, one value per
-    sigma^2: mean (std) over sequences of the per-sequence value (entropy: its mean over rows)."""
+    `seeds` sequences, the same unit draws rescaled at every sigma^2 (generator seed 1000 + seed: not the samples
+    the LLN fits were made on); LLN maps calibrated on the q, k they are applied to. {label: {'entropy_bits',
+    'entropy_std', 'spectral_gap', 'spectral_gap_std'[, 'alpha']}}: per sigma^2, mean (std) over sequences."""
     g = torch.Generator().manual_seed(1000 + seed)
     q0, k0 = (torch.randn(seeds, 1, tokens, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
     res = {label: {} for label, _, _ in LLN_FIG2_METHODS}
@@ -602,11 +576,10 @@ def peak_memory_mb(fn, device):
 
 
 def bench_model(spec, block_size, n_layer, n_head, n_embd, device):
-    """A random gpt2-style model (vocab 256) with spec = (label, map, options) in every layer."""
-    import model as M
+    """A random gpt2-style model (vocab 256) with attention `spec` in every layer."""
     torch.manual_seed(0)
     return M.GPT(M.GPTConfig(family='gpt2', vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd, attn=str(spec[1]))).to(device).eval()
+                             n_embd=n_embd, attn=str(spec))).to(device).eval()
 
 
 @torch.no_grad()
@@ -615,19 +588,15 @@ def bench_forward(part, lengths, specs, device):
     chunked (the Triton kernel on CUDA); 'prefill': one forward of T tokens through a random 2-layer gpt2-style
     model (12 heads, n_embd 768). Median ms (Timer) and peak extra memory, per map and length."""
     rows, dtype = [], torch.float16 if torch.device(device).type == 'cuda' else torch.float32
-    for spec in [('softmax', attention.AttnSpec())] + specs:
-        m = attention.Attention(spec[1], 64, 12).to(device) if part == 'attention' else \
+    for label, spec in [('softmax', attention.AttnSpec())] + specs:
+        m = attention.Attention(spec, 64, 12).to(device) if part == 'attention' else \
             bench_model(spec, max(lengths), 2, 12, 768, device)
         for T in lengths:
-            if part == 'prefill':
-                idx = torch.randint(0, 256, (1, T), device=device)
-                fn = lambda: m(idx)  # noqa: E731
-            else:
-                q, k, v = torch.randn(3, 1, 12, T, 64, device=device, dtype=dtype).unbind(0)
-                fn = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)) if spec[1].name == 'softmax' \
-                    else (lambda: m(q, k, v))
-            rows.append({'T': T, 'attn': spec[0], 'peak_mb': peak_memory_mb(fn, device), 'ms': timed(fn) * 1e3})
-            log(f'  {part} T={T:6d} {spec[0]:12s} {rows[-1]["ms"]:9.2f} ms  peak +{rows[-1]["peak_mb"] or 0:8.1f} MB')
+            x = torch.randn(3, 1, 12, T, 64, device=device, dtype=dtype).unbind(0) if part == 'attention' else \
+                [torch.randint(0, 256, (1, T), device=device)]    # q, k, v or the token ids
+            fn = lambda: m(*x)  # noqa: E731
+            rows.append({'T': T, 'attn': label, 'peak_mb': peak_memory_mb(fn, device), 'ms': timed(fn) * 1e3})
+            log(f'  {part} T={T:6d} {label:12s} {rows[-1]["ms"]:9.2f} ms  peak +{rows[-1]["peak_mb"] or 0:8.1f} MB')
     return rows
 
 
@@ -638,28 +607,25 @@ def bench_decode(lengths, specs, device, model=None):
     warm-up and DECODE_STEPS timed model.decode_step calls up to L (their mean). Memory at L: the attention state
     (exact) and the process RSS. Random 1-layer gpt2-style models (2 heads of 64) of softmax and each map; with
     `model` (a checkpoint) its own attention against its softmax teacher (every core in teacher mode: KV cache)."""
-    rows = []
-    for spec in [('softmax', attention.AttnSpec())] + (specs if model is None else [(describe_attention(model),)]):
+    rows, own = [], specs if model is None else [(describe_attention(model), None)]
+    for label, spec in [('softmax', attention.AttnSpec())] + own:
         m = model if model is not None else bench_model(spec, max(lengths) + 1, 1, 2, 128, device)
-        for c in m.attention_cores():
-            c.teacher = model is not None and spec[0] == 'softmax'
-        for L in lengths:
-            steps = min(DECODE_STEPS, max(L // 2, 1))
-            pos = max(L - steps - 2, 1)
-            logits, states = m.prefill(torch.randint(0, m.config.vocab_size, (1, pos), device=device))
-            run = {'tok': logits.argmax(-1), 'pos': pos, 'states': states}
+        with m.capture_qkv(layers=(), teacher=model is not None and label == 'softmax'):   # the teacher mode only
+            for L in lengths:
+                steps = min(DECODE_STEPS, max(L // 2, 1))
+                pos = max(L - steps - 2, 1)
+                logits, states = m.prefill(torch.randint(0, m.config.vocab_size, (1, pos), device=device))
+                run = {'tok': logits.argmax(-1), 'pos': pos, 'states': states}
 
-            def step():
-                logits, run['states'] = m.decode_step(run['tok'], run['pos'], run['states'])
-                run['tok'], run['pos'] = logits.argmax(-1), run['pos'] + 1
-            sec = timed(step, steps)
-            rows.append({'attn': spec[0], 'length': L, 'ms_per_token': sec * 1e3, 'tokens_per_s': 1 / sec,
-                         'state_mb': m.decode_state_nbytes(run['states']) / 2**20, 'rss_mb': _proc_mb('VmRSS')})
-            del run, states, logits
-            log(f'  decode {spec[0]:12s} at {L:6d} tokens: {sec * 1e3:7.3f} ms/token, '
-                f'state {rows[-1]["state_mb"]:9.3f} MB, RSS {rows[-1]["rss_mb"] or 0:8.1f} MB')
-        for c in m.attention_cores():
-            c.teacher = False
+                def step():
+                    logits, run['states'] = m.decode_step(run['tok'], run['pos'], run['states'])
+                    run['tok'], run['pos'] = logits.argmax(-1), run['pos'] + 1
+                sec = timed(step, steps)
+                rows.append({'attn': label, 'length': L, 'ms_per_token': sec * 1e3, 'tokens_per_s': 1 / sec,
+                             'state_mb': m.decode_state_nbytes(run['states']) / 2**20, 'rss_mb': _proc_mb('VmRSS')})
+                del run, states, logits
+                log(f'  decode {label:12s} at {L:6d} tokens: {sec * 1e3:7.3f} ms/token, '
+                    f'state {rows[-1]["state_mb"]:9.3f} MB, RSS {rows[-1]["rss_mb"] or 0:8.1f} MB')
     return rows
 
 
@@ -704,18 +670,16 @@ def report_bench(args):
            'memory': 'cuda max_memory_allocated' if cuda else 'VmHWM - VmRSS (clear_refs)',
            'decode_model': f'gpt2-style, 1 layer, 2 heads of 64, vocab 256; greedy, mean of {DECODE_STEPS} steps '
                            'after prefill', 'loadavg': list(os.getloadavg()) if hasattr(os, 'getloadavg') else None}
-    res = {'config': cfg}
+    res, model = {'config': cfg}, None
     for part in BENCH_SWEEPS if 'all' in parts else parts:
-        lengths, model = parse_list(args.sweep or BENCH_SWEEPS[part], 'sweep'), None
+        lengths = parse_list(args.sweep or BENCH_SWEEPS[part], 'sweep')
         log(f'{part}: {", ".join(cfg["maps"])} vs softmax at lengths {lengths}')
-        if part != 'decode':
-            res[part] = bench_forward(part, lengths, specs, args.device)
-            continue
-        if args.ckpt:   # a real checkpoint: its own attention against its softmax teacher (KV cache)
-            model, _, _ = load(args, 'bench decode', tokenizer=False)
+        if part == 'decode' and args.ckpt:   # a real checkpoint: its own attention against its softmax teacher
+            model = load(args, 'bench decode', with_tokenizer=False)[0]
             cfg['decode_model'] = (f'{args.ckpt}, {model.get_num_params() / 1e6:.1f}M parameters, vs its softmax '
                                    f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
-        res['decode'] = bench_decode(lengths, specs, args.device, model)
+        res[part] = bench_decode(lengths, specs, args.device, model) if part == 'decode' else \
+            bench_forward(part, lengths, specs, args.device)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
     os.makedirs(args.out_dir, exist_ok=True)
     with open(res['table'], 'w') as f:
@@ -725,8 +689,7 @@ def report_bench(args):
     panels = []   # per part, time (top row) and memory (bottom row) against length, log-log, a line per map
     for row, p in itertools.product((0, 1), [p for p in BENCH_TABLES if res.get(p)]):
         x, y = BENCH_TABLES[p][0], BENCH_TABLES[p][1][row]
-        series = {a: ([r[x] for r in res[p] if r['attn'] == a],
-                      [max(r[y] or 0, 1e-3) for r in res[p] if r['attn'] == a])
+        series = {a: list(zip(*[(r[x], max(r[y] or 0, 1e-3)) for r in res[p] if r['attn'] == a]))
                   for a in dict.fromkeys(r['attn'] for r in res[p])}
         panels.append({'series': series, 'title': f'{p}: {y}', 'xlabel': x, 'xscale': 'log', 'yscale': 'log'})
     fig, _ = line_plots(panels, f'{cfg["device_name"]}, torch {torch.__version__}', ncols=len(panels) // 2)
@@ -737,73 +700,71 @@ def report_bench(args):
 # -----------------------------------------------------------------------------------------------------------
 # command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f'{self.prog}: error: {message}\n')
+@dataclass
+class EvalConfig:   # the flags (train.parse_config); the reports first, one per run
+    ppl: bool = False             # perplexity on --data (text file, folder, datasets name)
+    glue: Literal[('', *train.GLUE_TASKS)] = ''   # GLUE task on its validation split
+    rouge: bool = False           # ROUGE-1/2/L of greedy summaries of dialogues (JSONL or SAMSum)
+    generate: bool = False        # greedy continuations by the model (and a convert.py folder's softmax teacher)
+    fidelity: bool = False        # attention fidelity: KL to softmax, entropy, monotonicity, with figures
+    bench: str = ''               # comma-separated, of attention, prefill, decode, all
+    lln: bool = False             # LLN Fig. 2: entropy and spectral gap vs temperature on Gaussian q, k (no --ckpt)
+    ckpt: str = ''                # checkpoint from train.py/convert.py, HF folder, .gguf file or hub name
+    tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the model's own
+    data: str = ''                # input data (see each report)
+    out_dir: str = 'out/eval'     # where JSON (and PNG) results go
+    device: str = 'cuda' if torch.cuda.is_available() else 'cpu'   # cpu | cuda | cuda:N
+    batch_size: int = 8           # sequences per forward pass: ppl windows, GLUE examples, fidelity/lln samples
+    context: int = 0              # tokens per window, 0 = ppl min(block_size, 1024), fidelity min(block_size, 128),
+                                  # lln 256; generate: prompts of N tokens cut from --data (0: one per line)
+    stride: int = 0               # ppl stride (0 = context // 2)
+    limit: int = 0                # only the first N (0 = all): ppl tokens, GLUE/ROUGE examples, generate prompts
+                                  # (with --context: N passages, default 3)
+    max_new_tokens: int = 64      # rouge, generate
+    prompt: str = ''              # generate: a prompt (repeat the flag for several)
+    maps: str = ''                # maps against softmax, with options (exp:t=2): bench (default elu), fidelity
+                                  # (default for a softmax model: elu,performer,cosformer,taylor,hedgehog)
+    qk: Literal['model', 'teacher'] = 'model'   # fidelity: q, k from the model's own pass, or from its softmax
+                                                # teacher's (every core in teacher mode, as convert.py measures it)
+    heads: str = ''               # fidelity figures: layer:head pairs, e.g. 0:0,11:3 (default first and last layer,
+                                  # heads 0 and 1; at most 6)
+    sweep: str = ''               # bench: lengths (default attention 512..8192, prefill 256..4096, decode
+                                  # 512..32768, doubling); lln: temperatures sigma^2 (default 0.25..6)
 
-
-def build_parser():
-    p = _Parser(prog='eval.py', description=__doc__.split('\n\n')[0].strip(),
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    r = p.add_argument_group('reports (one per run)')
-    r.add_argument('--ppl', action='store_true', help='perplexity on --data (text file, folder, datasets name)')
-    r.add_argument('--glue', metavar='TASK', help='GLUE task on its validation split: ' + ', '.join(train.GLUE_TASKS))
-    r.add_argument('--rouge', action='store_true', help='ROUGE-1/2/L of generated summaries (JSONL or SAMSum)')
-    r.add_argument('--generate', action='store_true', help='greedy continuations by the model and, for a convert.py '
-                   'folder, by its softmax teacher')
-    r.add_argument('--fidelity', action='store_true', help='attention fidelity vs softmax, with figures')
-    r.add_argument('--bench', nargs='?', const='all', metavar='WHAT',
-                   help='comma-separated, of ' + ', '.join(BENCH_SWEEPS) + ', all')
-    r.add_argument('--lln', action='store_true', help='LLN Fig. 2: entropy and spectral gap vs temperature on '
-                   'Gaussian q, k (no --ckpt)')
-    p.add_argument('--ckpt', help='checkpoint from train.py/convert.py, HF folder, .gguf file or hub name')
-    p.add_argument('--tokenizer', help="a HF folder or .gguf file whose tokenizer replaces the model's own")
-    p.add_argument('--data', help='input data (see each report)')
-    p.add_argument('--out_dir', default='out/eval', help='where JSON (and PNG) results go')
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--batch_size', type=int, default=8, help='sequences per forward pass: ppl windows, GLUE '
-                   'examples, fidelity samples, lln sequences')
-    p.add_argument('--context', type=int, default=0, help='tokens per window (0 = default): ppl min(block_size, '
-                   '1024), fidelity min(block_size, 128), lln 256; generate: prompts of N tokens cut from --data '
-                   '(0: one prompt per line)')
-    p.add_argument('--stride', type=int, default=0, help='ppl stride (0 = context // 2)')
-    p.add_argument('--limit', type=int, default=0, help='only the first N: ppl tokens, GLUE/ROUGE examples, '
-                   'generate prompts (with --context: N passages, default 3); 0 = all')
-    p.add_argument('--max_new_tokens', type=int, default=64, help='rouge, generate')
-    p.add_argument('--prompt', action='append', help='generate: a prompt (repeat the flag for several)')
-    p.add_argument('--maps', default='', help='fidelity: maps compared with softmax (default for a softmax model: '
-                   'elu,performer,cosformer,taylor,hedgehog); bench: maps timed against softmax (default elu). '
-                   'Options as in train.py, e.g. exp:t=2. Maps: ' + ','.join(attention.FEATURE_MAPS))
-    p.add_argument('--qk', default='model', choices=['model', 'teacher'],
-                   help="fidelity: q, k from the model's own forward pass, or from its softmax teacher's (every "
-                        "core in teacher mode: each layer on the teacher's inputs, as convert.py measures it)")
-    p.add_argument('--heads', default='', help='fidelity figures: layer:head pairs, e.g. 0:0,11:3 (default first '
-                   'and last layer, heads 0 and 1; at most 6)')
-    p.add_argument('--sweep', default='', help='bench: sequence / generated lengths (defaults: ' + '; '.join(
-        f'{k} {v}' for k, v in BENCH_SWEEPS.items()) + f'); lln: temperatures sigma^2 (default {LLN_GRID})')
-    return p
+    def __post_init__(self):
+        chosen = [name for name in REPORTS if getattr(self, name)]
+        if len(chosen) != 1:
+            raise ValueError(f'choose exactly one report: --{", --".join(REPORTS)} (got {len(chosen)})')
+        self.report = chosen[0]
+        if min(self.batch_size - 1, self.context, self.stride, self.limit, self.max_new_tokens) < 0:
+            raise ValueError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    chosen = [name for name in REPORTS if getattr(args, name) not in (None, False)]
-    if len(chosen) != 1:
-        print(f'eval.py: error: choose exactly one report: --{", --".join(REPORTS)} (got {len(chosen)})',
-              file=sys.stderr)
-        return 2
-    torch.manual_seed(0)
+    """Runs one report: 0, or 2 and one line `eval.py: error: ...` on bad input."""
+    argv, usage = sys.argv[1:] if argv is None else list(argv), io.StringIO()
     try:
-        if min(args.batch_size - 1, args.context, args.stride, args.limit, args.max_new_tokens) < 0:
-            raise EvalError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
-        res = {'report': chosen[0], **globals()['report_' + chosen[0]](args)}
-    except EvalError as e:
-        print(f'eval.py: error: {e}', file=sys.stderr)
-        return 2
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, f'{chosen[0]}.json'), 'w') as f:
-        json.dump(res, f, indent=1, default=float)
-    log(f'wrote {os.path.join(args.out_dir, chosen[0] + ".json")}')
-    return 0
+        with contextlib.redirect_stderr(usage):    # argparse prints its usage before the error line: kept out
+            args, _ = train.parse_config(EvalConfig, argv, __doc__)
+        # --prompt repeats (parse_config keeps the last one): every one, in order
+        args.prompts = [a[len('--prompt='):] if a.startswith('--prompt=') else nxt
+                        for a, nxt in zip(argv, argv[1:] + ['']) if a == '--prompt' or a.startswith('--prompt=')]
+        torch.manual_seed(0)
+        res = {'report': args.report, **globals()['report_' + args.report](args)}
+    except SystemExit as e:
+        if not e.code:      # --help
+            raise
+        msg = usage.getvalue().strip().splitlines()[-1].partition('error: ')[2]
+    except (ValueError, OSError) as e:   # bad options, paths, models, tokenizers: one clear line
+        msg = str(e).partition('\n')[0]
+    else:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, f'{args.report}.json'), 'w') as f:
+            json.dump(res, f, indent=1, default=float)
+        log(f'wrote {os.path.join(args.out_dir, args.report + ".json")}')
+        return 0
+    print(f'eval.py: error: {msg}', file=sys.stderr)
+    return 2
 
 
 if __name__ == '__main__':
