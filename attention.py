@@ -1,26 +1,21 @@
 """
 Attention, softmax and linear, in one file. In reading order:
-
-  1. softmax attention, the reference (Vaswani et al. 2017): softmax_attention, softmax_weights
-  2. feature maps phi of four papers -- Hedgehog, LoLCATs, Linear Log-Normal (LLN, with its moment matching
-     lln_alpha_beta), Degrees of Freedom (DoF) -- and their baselines (1+ELU, ReLU, T2R, Performer, cosFormer,
-     Taylor, exp): FEATURE_MAPS
+  1. softmax attention, the reference (Vaswani et al. 2017)
+  2. feature maps phi of four papers -- Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of Freedom (DoF) --
+     and their baselines (1+ELU, ReLU, T2R, Performer, cosFormer, Taylor, exp): FEATURE_MAPS
   3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
-  4. linear attention four ways (impl), equal to float32 precision: quadratic (materialise phi(q) phi(k)^T:
-     teaching, distillation), chunked (a state carried across chunks, O(T) memory: training; on CUDA it runs
-     kernels.py's Triton kernel of the same algorithm where the sizes fit), recurrent (token by token from a
-     state (S, z): generation), triton (the kernel by name: an error where it cannot run)
-  5. hybrids: sliding-window softmax + linear (LoLCATs, forms joint and mix), block-diagonal softmax + linear
-     (LLN+Diag)
+  4. linear attention four ways (impl), equal to float32 precision: quadratic (phi(q) phi(k)^T formed), chunked (a
+     carried state, O(T) memory; on CUDA kernels.py's Triton kernel where it fits), recurrent (token by token), triton
+  5. hybrids: sliding-window softmax + linear (LoLCATs), block-diagonal softmax + linear (LLN+Diag)
   6. Attention, the core of one layer that model.py calls, with its decode states
-  7. metrics (entropy, spectral gap, monotonicity, KL) and distillation losses (Hedgehog, LoLCATs, DoF)
+  7. metrics (entropy, spectral gap, monotonicity, KL) and DoF's kernel loss
 
 Linear attention, for one head (Katharopoulos et al. 2020, Eq. 4-6):
     y_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps),  S_t = sum_{s<=t} phi(k_s) v_s^T,  z_t = sum_{s<=t} phi(k_s)
-S (F x D) and z (F) are accumulated in float32 whatever the input dtype; feature maps return float32.
-Shapes: q, k, v are (B, H, T, D) = (batch, heads, time, head_dim); features are (B, H, T, F).
+S (F x D), z (F) accumulate in float32; feature maps return float32. q, k, v: (B, H, T, D = head_dim), phi (B, H, T, F).
 """
 
+import contextlib
 import functools
 import inspect
 import json
@@ -47,38 +42,31 @@ def _check_qk(q, k, head_dim, n_heads):
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
     if (q.shape[1], q.shape[-1]) != (n_heads, head_dim):
-        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got (B, H, T, D) = "
-                         f"{tuple(q.shape)}")
+        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got q {tuple(q.shape)}")
 
+# ---- 1. softmax attention, the reference ------------------------------------
 
-# -----------------------------------------------------------------------------
-# 1. softmax attention, the reference
-
-def softmax_attention(q, k, v, causal=True, scale=None, attn_mask=None):
-    """softmax(q k^T * scale) v, scale = 1/sqrt(D) (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask:
-    bool (B, H, T_q, T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
+def softmax_attention(q, k, v, causal=True, attn_mask=None):
+    """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool (B, H, T_q,
+    T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
     causal = causal and attn_mask is None and q.shape[-2] > 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 def causal_mask(T_q, T_k, device=None):
     """(T_q, T_k) bool, True where query i (at absolute position T_k - T_q + i) may see key j."""
     return torch.arange(T_k, device=device) <= torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
 
-def softmax_weights(q, k, causal=True, scale=None):
+def softmax_weights(q, k, causal=True):
     """The (B, H, T, T) matrix of softmax attention, float32: its output for the identity matrix as values."""
     eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
-    return softmax_attention(q.float(), k.float(), eye, causal, scale)
+    return softmax_attention(q.float(), k.float(), eye, causal)
 
-
-# -----------------------------------------------------------------------------
-# 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F)
+# ---- 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F) ---
 
 class FeatureMap(nn.Module):
     """Base class. q and k come together (LLN treats them differently; cosFormer needs positions: offset = the
     absolute position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or,
     exp-based (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi).
-
     Range (a real LLM's queries and keys are large: attention sinks): `features` divides an exp-based phi(q)
     by exp(c_q) and phi(k) by exp(c_k), detached shifts that cancel in every output. c_q: a query's largest
     log-feature (a factor of one attention row, gone in its normalisation). c_k: ONE per sequence and head (a
@@ -150,14 +138,11 @@ class T2RFeatureMap(FeatureMap):
 def _orthogonal_gaussian(n_heads, m, d, generator=None):
     """(n_heads, m, d) orthogonal random features (Choromanski et al. 2020, Sec. 2.4): blocks of d orthogonal
     rows (QR of a Gaussian, signs fixed so the rotation is Haar), each rescaled to a N(0, I_d) draw's norm."""
-    heads = []
-    for _ in range(n_heads):
-        blocks = []
-        for _ in range(math.ceil(m / d)):
-            qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
-            blocks.append((qmat * torch.sign(torch.diagonal(r))).T)
-        heads.append(torch.cat(blocks)[:m] * torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True))
-    return torch.stack(heads)
+    def rotation():
+        qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
+        return (qmat * torch.sign(torch.diagonal(r))).T
+    return torch.stack([torch.cat([rotation() for _ in range(math.ceil(m / d))])[:m] *
+                        torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True) for _ in range(n_heads)])
 
 class PerformerFeatureMap(FeatureMap):
     """FAVOR+ (Choromanski et al. 2020, Lemma 1, Eq. 7): phi(x) = exp(w_m . x' - |x'|^2 / 2) / sqrt(M),
@@ -251,18 +236,14 @@ class HedgehogFeatureMap(FeatureMap):
 
     def phi(self, x, which, offset):
         u = self.project(x)
-        if self.activation == 'elu':
-            return F.elu(u) + 1
-        if self.activation == 'relu':
-            return F.relu(u)
+        if self.activation in ('elu', 'relu'):  # LoLCATs' one-sided features
+            return F.elu(u) + 1 if self.activation == 'elu' else F.relu(u)
         f = torch.exp if self.log_domain else lambda t: torch.softmax(t, dim=-1)
         return torch.cat([f(u), f(-u)], dim=-1)
 
     def log_phi(self, x, which, offset):
         u = self.project(x)
         return torch.cat([u, -u], dim=-1)
-
-LOLCATS_ACTIVATIONS = ('softmax', 'exp', 'elu', 'relu')
 
 class LolcatsFeatureMap(HedgehogFeatureMap):
     """LoLCATs (Zhang et al. 2025, Eq. 6, Table 1): phi(x) = f(u), u = x W + b + x, a per-head Linear(D, F')
@@ -272,7 +253,7 @@ class LolcatsFeatureMap(HedgehogFeatureMap):
 
     def __init__(self, head_dim, n_heads, feature_dim=None, activation='softmax'):
         FeatureMap.__init__(self, head_dim, n_heads)
-        _choose('lolcats activation', activation, LOLCATS_ACTIVATIONS)
+        _choose('lolcats activation', activation, ('softmax', 'exp', 'elu', 'relu'))
         self._mlp(feature_dim, activation, torch.zeros)
 
     def project(self, x):
@@ -359,15 +340,11 @@ class LLNFeatureMap(FeatureMap):
         self.register_buffer('sigma2_q', torch.ones(n_heads))
         self.register_buffer('sigma2_k', torch.ones(n_heads))
 
-    @staticmethod
-    def _head_var(x):
-        return x.detach().float().transpose(0, 1).flatten(1).var(dim=1, unbiased=False)  # (H,)
-
     @torch.no_grad()
-    def calibrate(self, q, k):
-        """Freeze the statistics to those of calibration queries/keys (B, H, T, D)."""
-        self.sigma2_q.copy_(self._head_var(q))
-        self.sigma2_k.copy_(self._head_var(k))
+    def calibrate(self, q, k, weight=1.0):
+        """Move the statistics to those of calibration queries/keys (B, H, T, D); weight < 1: an EMA step."""
+        for sigma2, x in ((self.sigma2_q, q), (self.sigma2_k, k)):  # per head, over batch, time and dimension
+            sigma2.lerp_(x.detach().float().transpose(0, 1).flatten(1).var(1, unbiased=False).to(sigma2.dtype), weight)
 
     def alpha_beta(self):
         return lln_alpha_beta(self.sigma2_q.double(), self.sigma2_k.double(), self.head_dim, self.match)
@@ -378,8 +355,7 @@ class LLNFeatureMap(FeatureMap):
     def features(self, q, k, offset=0, c_k=None):
         out = super().features(q, k, offset, c_k)
         if self.training:  # this batch's statistics are used from the next forward on (causal honesty)
-            self.sigma2_q.lerp_(self._head_var(q).to(self.sigma2_q.dtype), self.momentum)
-            self.sigma2_k.lerp_(self._head_var(k).to(self.sigma2_k.dtype), self.momentum)
+            self.calibrate(q, k, self.momentum)
         return out
 
 class DoFFeatureMap(FeatureMap):
@@ -413,9 +389,7 @@ def make_feature_map(name, head_dim, n_heads, **options):
     AttnSpec(name, options=options)
     return FEATURE_MAPS[name](head_dim, n_heads, **options)
 
-
-# -----------------------------------------------------------------------------
-# 3. the attention choice as one value
+# ---- 3. the attention choice as one value -----------------------------------
 
 IMPLS = ('quadratic', 'chunked', 'recurrent', 'triton')
 WINDOW_COMBINES = ('joint', 'mix')
@@ -462,10 +436,8 @@ class AttnSpec:
             key = OPTION_ALIASES.get(key, key)
             if not eq or key in fields_ or key in options:
                 raise ValueError(f"attention spec {s!r}: expected name:key=value:.. with distinct keys, got {item!r}")
-            try:
+            with contextlib.suppress(ValueError):
                 value = json.loads(value)
-            except ValueError:
-                pass
             (fields_ if key in ('window', 'combine', 'diag_block', 'impl') else options)[key] = value
         return cls(name, options=options, **fields_)
 
@@ -475,21 +447,12 @@ class AttnSpec:
         return ':'.join(parts + [f'{k}={v if isinstance(v, str) else json.dumps(v, default=str)}'
                                  for k, v in self.options])
 
-
-# -----------------------------------------------------------------------------
-# 4. linear attention: quadratic, chunked, recurrent, triton
-
-def _check_linear_inputs(phi_q, phi_k, v, impl, initial_state, impls=IMPLS):
-    _choose('impl', impl, impls)
-    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
-        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got {tuple(phi_q.shape)}, "
-                         f"{tuple(phi_k.shape)}, {tuple(v.shape)}")
+# ---- 4. linear attention: quadratic, chunked, recurrent, triton -------------
 
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None):
     """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D), den_t = phi_q_t^T z_t
     (B, H, T) and the final (S, z), float32; S_t, z_t over s <= t (causal) or all s, from initial_state. The
     normaliser rides along as a value column of ones: [S | z] = sum_s phi_k_s [v_s | 1]^T, (B, H, F, D + 1)."""
-    _check_linear_inputs(phi_q, phi_k, v, impl, initial_state, IMPLS[:3])
     q, k, v1 = _acc(phi_q), _acc(phi_k), F.pad(_acc(v), (0, 1), value=1.0)  # v1 = [v | 1] (B, H, T, D + 1)
     B, H, T, Fd = q.shape
     Sz0 = q.new_zeros(B, H, Fd, v1.shape[-1]) if initial_state is None else \
@@ -511,8 +474,7 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
         after = torch.cumsum(k.transpose(-2, -1) @ v1, dim=2)  # (B, H, n, F, D + 1): [S | z] after each chunk
         before = Sz0[:, :, None] + F.pad(after[:, :, :-1], (0, 0, 0, 0, 1, 0))  # and before it (not cumsum - x)
         out = ((q @ k.transpose(-2, -1)).tril() @ v1 + q @ before).reshape(B, H, n * C, -1)[:, :, :T]
-    D = v1.shape[-1] - 1
-    return out[..., :D], out[..., D], (Sz[..., :D], Sz[..., D])
+    return out[..., :-1], out[..., -1], (Sz[..., :-1], Sz[..., -1])  # the last column: the normaliser
 
 
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chunk_size=64,
@@ -520,7 +482,10 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chun
     """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020): phi_q, phi_k (B, H, T, F), v
     (B, H, T, D) -> y in v's dtype [, final (S, z) float32]; initial_state (S_0, z_0) continues a sequence.
     impl 'chunked' runs the Triton kernel on CUDA where it fits (causal, F <= 256, D <= 128); 'triton' insists."""
-    _check_linear_inputs(phi_q, phi_k, v, impl, initial_state)
+    _choose('impl', impl, IMPLS)
+    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
+        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got {tuple(phi_q.shape)}, "
+                         f"{tuple(phi_k.shape)}, {tuple(v.shape)}")
     Fd, D = phi_q.shape[-1], v.shape[-1]
     if impl == 'triton' or (impl == 'chunked' and causal and v.is_cuda and kernels.supports(Fd, D)):
         if not (causal and kernels.triton_available(v) and kernels.supports(Fd, D)):
@@ -534,21 +499,17 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chun
 
 def linear_attention_weights(phi_q, phi_k, causal=True, eps=EPS):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
-    B, H, T, _ = phi_q.shape
-    eye = torch.eye(T, device=phi_q.device, dtype=_acc(phi_q).dtype).expand(B, H, T, T)
+    eye = torch.eye(phi_q.shape[2], device=phi_q.device, dtype=_acc(phi_q).dtype).expand(*phi_q.shape[:2], -1, -1)
     return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', eps)
 
-
-# -----------------------------------------------------------------------------
-# 5. hybrids: sliding-window softmax + linear (LoLCATs), block-diagonal softmax + linear (LLN+Diag)
+# ---- 5. hybrids: sliding-window softmax + linear (LoLCATs), block-diagonal softmax + linear (LLN+Diag) ---
 
 def _band_blocks(x, w):
     """(B, H, T, E) -> (B, H, n, 3w, E): for each block of w queries, the keys of the previous, current and
     next block (zero-padded at the ends), n = ceil(T / w)."""
-    B, H, T, E = x.shape
-    n = math.ceil(T / w)
-    x = F.pad(x, (0, 0, w, (n + 1) * w - T))  # (B, H, (n + 2) w, E)
-    return torch.cat([x[:, :, i * w:(i + n) * w].reshape(B, H, n, w, E) for i in range(3)], dim=3)
+    n = math.ceil(x.shape[2] / w)
+    x = F.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
+    return x.unfold(2, 3 * w, w).transpose(-1, -2)  # windows of 3w rows every w rows
 
 def _in_window(i, j, w, causal):
     """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees the rest."""
@@ -558,8 +519,7 @@ def _window_softmax(q, k, v, visible):
     """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij =
     q_i.k_j / sqrt(D), m_i the row's largest visible score (0 for a row that sees no key)."""
     s = torch.einsum('...id,...jd->...ij', q, k).masked_fill(~visible, float('-inf')) * q.shape[-1] ** -0.5
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = s.amax(-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # -inf: a row that sees no key
     a = torch.exp(s - m)
     return a @ v, a.sum(-1), m[..., 0]
 
@@ -574,22 +534,18 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     Masses compare in log space. A row without linear keys is the window part, one without window keys the
     linear part, 0 with neither. Returns (y float32, p the window part's weight)."""
     has_w, has_l = den_w > 0, den_l > 0
-    one = torch.ones_like(den_w)
-    den_w, den_l = torch.where(has_w, den_w, one), torch.where(has_l, den_l, one)
+    den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
     f = factor.to(den_w.dtype).view(1, -1, *([1] * (den_w.dim() - 2)))  # (1, H, 1..) against (B, H, ..)
-    _choose('window combine', combine, WINDOW_COMBINES)
     p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log()) if combine == 'joint' else f.expand_as(den_w)
-    p = torch.where(has_w, torch.where(has_l, p, one), 0 * one)[..., None]
+    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)[..., None]
     return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None], p[..., 0]
 
-def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, key_padding_mask=None,
-                            impl='chunked', chunk_size=64, c=None, combine='joint'):
+def window_linear_attention(q, k, v, phi_q, phi_k, c, window, factor, causal=True, key_padding_mask=None,
+                            impl='chunked', chunk_size=64, combine='joint'):
     """Sliding-window softmax + linear attention (LoLCATs-w): softmax over W(i) = {i - window < j <= i} (causal)
     or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c) phi_q.phi_k, c (B, H, T)).
     O(T window + T F D / chunk) memory: windows in blocks of `window` queries, linear keys shifted `window`."""
-    B, H, T, D = q.shape
-    w = window
-    c = _acc(phi_q).new_zeros(B, H, T) if c is None else _acc(c)
+    (B, H, T, D), w = q.shape, window
     qb = F.pad(_acc(q), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, D)  # (B, H, n, w, D)
     n = qb.shape[2]
     i = (torch.arange(n, device=q.device) * w)[:, None, None] + torch.arange(w, device=q.device)[:, None]
@@ -599,8 +555,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
         keep = _band_blocks(key_padding_mask[:, None, :, None].float(), w)[..., 0] > 0.5  # (B, 1, n, 3w)
         visible = visible & keep[:, :, :, None, :]
     cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
-    num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(_acc(k), w), _band_blocks(_acc(v), w),
-                                                        visible))
+    num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(_acc(k), w), _band_blocks(_acc(v), w), visible))
     pk = _acc(phi_k) if key_padding_mask is None else _acc(phi_k) * key_padding_mask[:, None, :, None]
     shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
     num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, impl, chunk_size)
@@ -610,45 +565,27 @@ def window_linear_attention(q, k, v, phi_q, phi_k, window, factor, causal=True, 
         num_l, den_l = num_l + num_r.flip(2), den_l + den_r.flip(2)
     return combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine)[0].to(v.dtype)
 
-@torch.no_grad()
-def window_mass(q, k, window, causal=True):
-    """The softmax mass inside the sliding window: (its sum over the rows that also have keys outside, per head
-    (H,) float64, the number of those rows). One batch element at a time (H x T x T floats)."""
-    T = q.shape[-2]
-    i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
-    inside = _in_window(i, j, window, causal)
-    rows = (j >= window) if causal else (~inside).any(-1)
-    total = torch.zeros(q.shape[1], dtype=torch.float64, device=q.device)
-    for b in range(q.shape[0]):
-        total += (softmax_weights(q[b:b + 1], k[b:b + 1], causal)[0] * inside).sum(-1)[:, rows].double().sum(-1)
-    return total, int(rows.sum()) * q.shape[0]
-
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax attention inside diagonal blocks of `block` tokens (LLN+Diag, Nahshan et al. 2023, Sec. 4.2);
     the last block may be shorter; causal inside a block when causal=True."""
     B, H, T, D = q.shape
-    n = math.ceil(T / block)
-    pad = n * block - T
+    n, pad = math.ceil(T / block), -T % block  # pad: to a whole number of blocks
     qb, kb, vb = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, t.shape[-1]) for t in (q, k, v))
-    mask = (torch.arange(n * block, device=q.device) < T).view(1, 1, n, 1, block)  # real keys
+    keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    mask = F.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
     if causal:
         mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
-    if key_padding_mask is not None:
-        mask = mask & F.pad(key_padding_mask, (0, pad)).view(B, 1, n, 1, block)
     mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself: finite
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
 
-
-# -----------------------------------------------------------------------------
-# 6. the attention core of one layer
+# ---- 6. the attention core of one layer -------------------------------------
 
 def _grow(cache, x, n):
     """Write x (B, H, T, D) at positions n, n+1, .. of a KV cache (B, H, capacity, D), doubling the capacity
     when it is full: one copy now and then instead of a copy of the whole cache at every token."""
     if n + x.shape[2] > cache.shape[2]:
-        new = cache.new_empty(*cache.shape[:2], max(2 * cache.shape[2], n + x.shape[2]), cache.shape[3])
-        new[:, :, :n] = cache[:, :, :n]
-        cache = new
+        capacity = max(2 * cache.shape[2], n + x.shape[2])
+        cache = torch.cat([cache[:, :, :n], cache.new_empty(*cache.shape[:2], capacity - n, cache.shape[3])], 2)
     cache[:, :, n:n + x.shape[2]] = x
     return cache
 
@@ -680,14 +617,12 @@ class Attention(nn.Module):
     attn = property(lambda self: self.spec.name)
     window = property(lambda self: self.spec.window)
     window_combine = property(lambda self: self.spec.combine)
-    diag_block = property(lambda self: self.spec.diag_block)
-    impl = property(lambda self: self.spec.impl)
 
     @property
     def kind(self):
         if self.fmap is None or self.teacher:
             return 'softmax'
-        return 'window' if self.window else 'diag' if self.diag_block else 'linear'
+        return 'window' if self.window else 'diag' if self.spec.diag_block else 'linear'
 
     def factor(self):
         """The window factor through its sigmoid, per head: gamma (joint) or s (mix), on the window part."""
@@ -696,18 +631,18 @@ class Attention(nn.Module):
     @torch.no_grad()
     def calibrate(self, q, k):
         """Initialisation from teacher queries/keys (B, H, T, D): LLN's statistics; the mix form's s = the teacher's
-        mean softmax mass inside the window (window_mass), exact for an average row."""
+        mean softmax mass inside the window over the rows that also have keys outside it, exact for an average row
+        (clamped to [1e-4, 1 - 1e-4])."""
         if hasattr(self.fmap, 'calibrate'):
             self.fmap.calibrate(q, k)
         if self.window and self.window_combine == 'mix':
-            total, rows = window_mass(q, k, self.window, self.causal)
-            if rows:
-                self.set_window_mix(total / rows)
-
-    @torch.no_grad()
-    def set_window_mix(self, s):
-        """Set the mix factor s (H,) (clamped to [1e-4, 1 - 1e-4])."""
-        self.window_factor.copy_(torch.logit(torch.as_tensor(s, dtype=torch.float64).clamp(1e-4, 1 - 1e-4)))
+            j = torch.arange(q.shape[-2], device=q.device)
+            inside = _in_window(j[:, None], j, self.window, self.causal)  # (T, T)
+            rows = (j >= self.window) if self.causal else (~inside).any(-1)
+            if rows.any():  # one batch element at a time (H x T x T floats)
+                total = sum((softmax_weights(q[b:b + 1], k[b:b + 1], self.causal)[0] * inside).sum(-1)[:, rows]
+                            .double().sum(-1) for b in range(len(q)))  # (H,)
+                self.window_factor.copy_(torch.logit((total / (rows.sum() * len(q))).clamp(1e-4, 1 - 1e-4)))
 
     def extra_repr(self):
         return f"spec='{self.spec}', causal={self.causal}, kv_groups={self.kv_groups}"
@@ -747,10 +682,9 @@ class Attention(nn.Module):
 
     def _features(self, q, k, state):
         """phi_q, phi_k, c_q, c_k and the state's S, z, phi_k moved to the new key shift c_k (or None)."""
-        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, 0 if state is None else state['offset'],
-                                                    None if state is None else state['c_k'])
         if state is None:
-            return phi_q, phi_k, c_q, c_k, None
+            return (*self.fmap.features(q, k), None)
+        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, state['offset'], state['c_k'])
         r = torch.exp(state['c_k'] - c_k)[..., None, None]  # (B, H, 1, 1)
         moved = [state['S'] * r, state['z'] * r[..., 0]] + ([state['phi_k'] * r] if 'phi_k' in state else [])
         return phi_q, phi_k, c_q, c_k, moved
@@ -764,17 +698,17 @@ class Attention(nn.Module):
             phi_k = phi_k * key_padding_mask[:, None, :, None]
         new = {'kind': self.kind, 'offset': T + (0 if state is None else state['offset']), 'c_k': c_k}
         if self.kind == 'window':
-            y = window_linear_attention(q, k, v, phi_q, phi_k, self.window, self.factor(), causal, key_padding_mask,
-                                        self.impl, self.chunk_size, c_q + c_k[..., None], self.window_combine)
+            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q + c_k[..., None], self.window, self.factor(), causal,
+                                        key_padding_mask, self.spec.impl, self.chunk_size, self.window_combine)
             if not (return_state and causal):
                 return y, None
             cut = max(T - (self.window - 1), 0)  # (S, z) over tokens < cut; the last window - 1 stay in the window
             return y, {**new, 'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, :cut], _acc(v[:, :, :cut])),
                        'z': phi_k[:, :, :cut].sum(-2), 'k': k[:, ::g, cut:].clone(), 'v': v[:, ::g, cut:].clone(),
                        'phi_k': phi_k[:, :, cut:].clone()}
-        y, (S, z) = linear_attention(phi_q, phi_k, v, causal, self.impl, EPS, self.chunk_size, init, True)
+        y, (S, z) = linear_attention(phi_q, phi_k, v, causal, self.spec.impl, EPS, self.chunk_size, init, True)
         if self.kind == 'diag':
-            b = self.diag_block
+            b = self.spec.diag_block
             y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, causal, key_padding_mask).to(y.dtype))
             new.update(k=k[:, ::g, T // b * b:].clone(), v=v[:, ::g, T // b * b:].clone())  # the partial block
         return y, {**new, 'S': S, 'z': z}
@@ -789,7 +723,7 @@ class Attention(nn.Module):
             y, (S, z) = linear_attention(phi_q, phi_k, v, True, 'recurrent', EPS, initial_state=(S, z),
                                          return_state=True)
             y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False).to(y.dtype))
-            keep = kw.shape[2] if (offset + 1) % self.diag_block else 0  # a full block empties the buffer
+            keep = kw.shape[2] if (offset + 1) % self.spec.diag_block else 0  # a full block empties the buffer
             return y, {**new, 'S': S, 'z': z, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
         pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
         kv = lambda x: _acc(x.repeat_interleave(g, 1))  # noqa: E731, GQA: query head h reads kv head h // g
@@ -813,9 +747,7 @@ def state_nbytes(state):
         return sum(state_nbytes(s) for s in state)
     return sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)) if state else 0
 
-
-# -----------------------------------------------------------------------------
-# 7. metrics and distillation losses
+# ---- 7. metrics and DoF's kernel loss ---------------------------------------
 
 def attention_entropy(w, eps=1e-12):
     """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4)."""
@@ -832,11 +764,11 @@ def _ranks(x):
     s = x.sort(-1).values
     return (torch.searchsorted(s, x) + torch.searchsorted(s, x, right=True) - 1).double() / 2
 
-def monotonicity(w, q, k, causal=True, scale=None):
+def monotonicity(w, q, k, causal=True):
     """How monotonic attention weights are in q.k (Hedgehog Fig. 3, Sec. 3.2): the Spearman correlation, per
-    query row, of w_ij and s_ij = q_i.k_j * scale over the keys the row sees (rows with fewer than 3 keys
+    query row, of w_ij and s_ij = q_i.k_j / sqrt(D) over the keys the row sees (rows with fewer than 3 keys
     skipped), averaged per head. Returns (rho (B, H) float64, (scores, weights) of every visible pair, 1-D)."""
-    s = (q.double() @ k.double().transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
     w, T, rhos = w.double(), w.shape[-1], []
     for i in range(2 if causal else 0, w.shape[-2]):
         rs, rw = (_ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
@@ -850,22 +782,9 @@ def kl_divergence(p, q, eps=1e-12):
     p, q = p.float(), q.float()
     return (p * ((p + eps).log() - (q + eps).log())).sum(-1)
 
-def attention_cross_entropy(w_student, w_teacher, eps=1e-12):
-    """Hedgehog's distillation loss (Eq. 4): soft-label cross-entropy -sum_j w_teacher_ij log w_student_ij,
-    averaged over rows, batch and heads (quadratic in T: short sequences)."""
-    return -(w_teacher.float() * (w_student.float() + eps).log()).sum(-1).mean()
-
-def output_mse(y_student, y_teacher):
-    """LoLCATs' attention-transfer loss (Eq. 7): the mean squared error of the attention outputs (B, H, T, D),
-    in float32; nothing T x T is formed, so it works at any length."""
-    return F.mse_loss(y_student.float(), y_teacher.float())
-
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
     """DoF's kernel loss: the mean squared error of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the
-    visible pairs (quadratic in T). Compared unnormalised: pass exact features (from fmap.features, phi_q
-    times exp(c_q + c_k))."""
+    visible pairs (quadratic in T), unnormalised: pass exact features (fmap.features' phi_q times exp(c_q + c_k))."""
     err = (phi_q.float() @ phi_k.float().transpose(-2, -1) -
            torch.exp((q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5)).square()
-    if causal:
-        return err.masked_select(causal_mask(err.shape[-2], err.shape[-1], err.device).expand_as(err)).mean()
-    return err.mean()
+    return err.masked_select(causal_mask(*err.shape[-2:], err.device).expand_as(err)).mean() if causal else err.mean()

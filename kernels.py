@@ -28,10 +28,11 @@ Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and
     dk_s = sum_{t>=s} G_ts q_t + dS_T v_s + dz_T          dz_0 = dz_T + sum_t r_t q_t
     dv_s = sum_{t>=s} P_ts g_t + dS_T^T k_s
 (dS_T, dz_T: the gradients arriving through the returned state.) Chunked, the sums over earlier chunks (dq)
-or later chunks (dk, dv) become a carried state. Three single-pass kernels recompute what they need: dq runs
-forward in time, dk and dv backward; each splits the dimension its contraction leaves whole. Operands needed
-transposed are loaded transposed by swapping the pointer arithmetic; a tl.dot result is never transposed (a
-Triton miscompile on Hopper): the transposed product is computed directly (k q^T rather than (q k^T)^T).
+or later chunks (dk, dv) become a carried state. Single-pass kernels recompute what they need: dq runs forward
+in time; dk and dv, one kernel launched twice (they carry the same dS), backward. Each launch splits the
+dimension its contraction leaves whole. Operands needed transposed are loaded transposed by swapping the pointer
+arithmetic; a tl.dot result is never transposed (a Triton miscompile on Hopper): the transposed product is
+computed directly (k q^T rather than (q k^T)^T), or stored through transposed pointers.
 
 Precision. Accumulation and state are fp32. Operands are bf16 if an input is bf16 (tensor cores; bf16 has
 fp32's range), else the promoted dtype: fp32 features with fp16 values stay fp32, since exp-based features
@@ -191,104 +192,70 @@ if HAS_TRITON:
             z += tl.sum(k.to(tl.float32), axis=0)
 
     @triton.jit
-    def _bwd_dk_kernel(
-        Q, V, DY, RDEN, DELTA,   # (B*H, T, F), (B*H, T, D), (B*H, T, D), (B*H, T), (B*H, T)
-        DST, DZT,                # gradient of the final state (read if HAS_DSTATE)
-        DK,                      # (B*H, T, F) fp32 output
-        DS0, DZ0,                # gradient of the initial state (written if STORE_DINIT)
+    def _bwd_dkv_kernel(
+        Q, K, V, DY, RDEN, DELTA,   # (B*H, T, F), (B*H, T, F), (B*H, T, D), (B*H, T, D), (B*H, T), (B*H, T)
+        DST, DZT,                   # gradient of the final state (read if HAS_DSTATE)
+        OUT,                        # (B*H, T, F) dk if DK else (B*H, T, D) dv, fp32 output
+        DS0, DZ0,                   # gradient of the initial state (written if STORE_DINIT)
         T, F, D,
-        HAS_DSTATE: tl.constexpr, STORE_DINIT: tl.constexpr,
+        DK: tl.constexpr, HAS_DSTATE: tl.constexpr, STORE_DINIT: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """dk_s = sum_{t>=s} G_ts q_t + dS_s v_s + dz_s. Backward in time; program = (bh, feature block), the
-        whole value dimension in the block."""
+        """Backward in time, carrying dS_s = dS_T + sum_{t>=s} q_t g_t^T and dz_s = dz_T + sum_{t>=s} r_t q_t.
+        DK: dk_s = sum_{t>=s} G_ts q_t + dS_s v_s + dz_s, program = (bh, feature block), the whole value dimension
+        in the block (G contracts over it). Else dv_s = sum_{t>=s} P_ts g_t + dS_s^T k_s, program = (bh, value
+        block), the whole feature dimension in the block (P contracts over it)."""
         i_bh = tl.program_id(0).to(tl.int64)
-        i_f = tl.program_id(1)
+        i_blk = tl.program_id(1)
         offs_t = tl.arange(0, BLOCK_T)
-        offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_f = (i_blk * BLOCK_F if DK else 0) + tl.arange(0, BLOCK_F)
+        offs_d = (0 if DK else i_blk * BLOCK_D) + tl.arange(0, BLOCK_D)
         mask_f, mask_d = offs_f < F, offs_d < D
+        causal = offs_t[:, None] >= offs_t[None, :]                      # (BT_t, BT_s) t >= s
         anticausal = offs_t[:, None] <= offs_t[None, :]                  # (BT_s, BT_t) s <= t
-        Q, V, DY, DK = Q + i_bh * T * F, V + i_bh * T * D, DY + i_bh * T * D, DK + i_bh * T * F
-        RDEN, DELTA = RDEN + i_bh * T, DELTA + i_bh * T
+        Q, K, V, DY = Q + i_bh * T * F, K + i_bh * T * F, V + i_bh * T * D, DY + i_bh * T * D
+        OUT, RDEN, DELTA = OUT + i_bh * T * (F if DK else D), RDEN + i_bh * T, DELTA + i_bh * T
 
-        dST = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)             # dS^T[:, f-block], fp32
+        dS = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)              # dS[f-block, d-block], fp32
         dz = tl.zeros((BLOCK_F,), dtype=tl.float32)
         if HAS_DSTATE:
-            dST = _tile(DST + i_bh * F * D, offs_d, offs_f, 1, D, mask_d, mask_f)
+            dS = _tile(DST + i_bh * F * D, offs_f, offs_d, D, 1, mask_f, mask_d)
             dz = tl.load(DZT + i_bh * F + offs_f, mask=mask_f, other=0.)
 
         n_chunks = tl.cdiv(T, BLOCK_T)
         for i in range(0, n_chunks):
             rows = (n_chunks - 1 - i) * BLOCK_T + offs_t
             mask_t = rows < T
-            q = _tile(Q, rows, offs_f, F, 1, mask_t, mask_f)                     # (BT, BF)
-            v = _tile(V, rows, offs_d, D, 1, mask_t, mask_d)                     # (BT, BD)
-            dyT = _tile(DY, offs_d, rows, 1, D, mask_d, mask_t)                  # (BD, BT)
-            rden = tl.load(RDEN + rows, mask=mask_t, other=0.)
-            r = -tl.load(DELTA + rows, mask=mask_t, other=0.) * rden
-
-            # G^T_st = (v_s . dy_t) rden_t + r_t, computed directly in (s, t) layout
-            GT = tl.where(anticausal, _dot(v, dyT, BF16, PRECISION) * rden[None, :] + r[None, :], 0.)
-            dk = _dot(GT, q, BF16, PRECISION) + _dot(v, dST, BF16, PRECISION) + dz[None, :]
-            tl.store(DK + rows[:, None] * F + offs_f[None, :], dk, mask=mask_t[:, None] & mask_f[None, :])
-
-            dST += _dot(dyT * rden[None, :], q, BF16, PRECISION)                  # (BD, BF) += g^T q
-            dz += tl.sum(q.to(tl.float32) * r[:, None], axis=0)                    # (BF,)
-
-        if STORE_DINIT:
-            tl.store(DS0 + i_bh * F * D + offs_f[None, :] * D + offs_d[:, None], dST,
-                     mask=mask_f[None, :] & mask_d[:, None])
-            tl.store(DZ0 + i_bh * F + offs_f, dz, mask=mask_f)
-
-    @triton.jit
-    def _bwd_dv_kernel(
-        Q, K, DY, RDEN,          # (B*H, T, F), (B*H, T, F), (B*H, T, D), (B*H, T)
-        DST,                     # gradient of the final S (read if HAS_DSTATE)
-        DV,                      # (B*H, T, D) fp32 output
-        T, F, D,
-        HAS_DSTATE: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        BF16: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """dv_s = sum_{t>=s} P_ts g_t + dS_s^T k_s. Backward in time; program = (bh, value block), the whole
-        feature dimension in the block (P contracts over it)."""
-        i_bh = tl.program_id(0).to(tl.int64)
-        i_d = tl.program_id(1)
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_f = tl.arange(0, BLOCK_F)
-        offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_f, mask_d = offs_f < F, offs_d < D
-        anticausal = offs_t[:, None] <= offs_t[None, :]                  # (BT_s, BT_t) s <= t
-        Q, K, DY, DV, RDEN = Q + i_bh * T * F, K + i_bh * T * F, DY + i_bh * T * D, DV + i_bh * T * D, RDEN + i_bh * T
-
-        dS = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)              # dS[:, d-block], fp32
-        if HAS_DSTATE:
-            dS = _tile(DST + i_bh * F * D, offs_f, offs_d, D, 1, mask_f, mask_d)
-
-        n_chunks = tl.cdiv(T, BLOCK_T)
-        for i in range(0, n_chunks):
-            rows = (n_chunks - 1 - i) * BLOCK_T + offs_t
-            mask_t = rows < T
-            k = _tile(K, rows, offs_f, F, 1, mask_t, mask_f)                     # (BT, BF)
             qT = _tile(Q, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
             dy = _tile(DY, rows, offs_d, D, 1, mask_t, mask_d)                   # (BT, BD)
-            rden = tl.load(RDEN + rows, mask=mask_t, other=0.)
+            rden = tl.load(RDEN + rows, mask=mask_t, other=0.)                  # (BT,)
             g = dy.to(tl.float32) * rden[:, None]                                # (BT, BD) dL/dnum
+            if DK:  # dk^T, in the layout of the state: q^T G + dS v^T + dz, G as in the dq kernel
+                vT = _tile(V, offs_d, rows, 1, D, mask_d, mask_t)                # (BD, BT)
+                r = -tl.load(DELTA + rows, mask=mask_t, other=0.) * rden        # (BT,) dL/dden
+                G = tl.where(causal, _dot(dy, vT, BF16, PRECISION) * rden[:, None] + r[:, None], 0.)  # (BT, BT)
+                dkT = _dot(qT, G, BF16, PRECISION) + _dot(dS, vT, BF16, PRECISION) + dz[:, None]  # (BF, BT)
+                tl.store(OUT + rows[None, :] * F + offs_f[:, None], dkT, mask=mask_f[:, None] & mask_t[None, :])
+                dz += tl.sum(qT.to(tl.float32) * r[None, :], axis=1)              # (BF,)
+            else:
+                k = _tile(K, rows, offs_f, F, 1, mask_t, mask_f)                 # (BT, BF)
+                PT = tl.where(anticausal, _dot(k, qT, BF16, PRECISION), 0.)      # (BT_s, BT_t) = P^T directly
+                dv = _dot(PT, g, BF16, PRECISION) + _dot(k, dS, BF16, PRECISION)  # (BT, BD)
+                tl.store(OUT + rows[:, None] * D + offs_d[None, :], dv, mask=mask_t[:, None] & mask_d[None, :])
+            dS += _dot(qT, g, BF16, PRECISION)                                   # (BF, BD) += q^T g
 
-            PT = tl.where(anticausal, _dot(k, qT, BF16, PRECISION), 0.)          # (BT_s, BT_t) = P^T directly
-            dv = _dot(PT, g, BF16, PRECISION) + _dot(k, dS, BF16, PRECISION)    # (BT, BD)
-            tl.store(DV + rows[:, None] * D + offs_d[None, :], dv, mask=mask_t[:, None] & mask_d[None, :])
-
-            dS += _dot(qT, g, BF16, PRECISION)                                   # (BF, BD)
+        if STORE_DINIT:
+            tl.store(DS0 + i_bh * F * D + offs_f[:, None] * D + offs_d[None, :], dS,
+                     mask=mask_f[:, None] & mask_d[None, :])
+            tl.store(DZ0 + i_bh * F + offs_f, dz, mask=mask_f)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launch and autograd
 
 def _blocks(F, D, chunk):
-    """(BLOCK_F, BLOCK_D) of the forward and dv kernels (whole F), of the dq and dk kernels (whole D), and
+    """(BLOCK_F, BLOCK_D) of the forward and dv launches (whole F), of the dq and dk launches (whole D), and
     num_warps: the largest blocks whose fp32 state and operands fit in registers without spilling at 8 warps
     (from ptxas resource usage for sm_90; F=128, D=64: forward/dv BLOCK_D=32, dq/dk BLOCK_F=32)."""
     BF, BD = max(16, triton.next_power_of_2(F)), max(16, triton.next_power_of_2(D))
@@ -297,15 +264,9 @@ def _blocks(F, D, chunk):
     return fwd, bwd, 8 if chunk * max(BF, BD) >= 64 * 64 else 4
 
 
-def _compute_dtype(*dtypes):
-    """bf16 if any input is bf16, else the promoted dtype (fp32 features with fp16 values: fp32; see Precision)."""
-    return torch.bfloat16 if torch.bfloat16 in dtypes else functools.reduce(torch.promote_types, dtypes)
-
-
 def _fwd(q, k, v, S0, z0, eps, store_state, chunk, cfg):
     """q, k (BH, T, F), v (BH, T, D) contiguous, one dtype. Returns y (BH, T, D), rden (BH, T), S_T, z_T."""
-    BH, T, F = q.shape
-    D = v.shape[-1]
+    (BH, T, F), D = q.shape, v.shape[-1]
     (BLOCK_F, BLOCK_D), _, warps = _blocks(F, D, chunk)
     y, rden = torch.empty_like(v), q.new_empty(BH, T, dtype=torch.float32)
     ST, zT = (q.new_empty(BH, F, D, dtype=torch.float32), q.new_empty(BH, F, dtype=torch.float32)) \
@@ -319,11 +280,9 @@ def _fwd(q, k, v, S0, z0, eps, store_state, chunk, cfg):
 
 def _bwd(q, k, v, y, rden, S0, z0, dy, dST, dzT, need_dinit, chunk, cfg):
     """All (BH, ..) contiguous. Returns dq, dk (BH, T, F), dv (BH, T, D), dS0, dz0 (or None), fp32."""
-    BH, T, F = q.shape
-    D = v.shape[-1]
+    (BH, T, F), D = q.shape, v.shape[-1]
     delta = (dy.float() * y.float()).sum(-1)                               # (BH, T) dy_t . y_t
-    dq, dk = (q.new_empty(BH, T, F, dtype=torch.float32) for _ in range(2))
-    dv = q.new_empty(BH, T, D, dtype=torch.float32)
+    dq, dk, dv = (q.new_empty(BH, T, n, dtype=torch.float32) for n in (F, F, D))
     dS0, dz0 = (q.new_empty(BH, F, D, dtype=torch.float32), q.new_empty(BH, F, dtype=torch.float32)) \
         if need_dinit else (delta, delta)
     (BF_fwd, BD_fwd), (BLOCK_F, BLOCK_D), warps = _blocks(F, D, chunk)
@@ -331,11 +290,12 @@ def _bwd(q, k, v, y, rden, S0, z0, dy, dST, dzT, need_dinit, chunk, cfg):
     grid = (BH, triton.cdiv(F, BLOCK_F))   # dq and dk: split the features, the whole value dimension per program
     _bwd_dq_kernel[grid](k, v, dy, rden, delta, delta if S0 is None else S0, delta if z0 is None else z0, dq,
                          T, F, D, HAS_INIT=S0 is not None, **blocks)
-    _bwd_dk_kernel[grid](q, v, dy, rden, delta, delta if dST is None else dST, delta if dzT is None else dzT, dk,
-                         dS0, dz0, T, F, D, HAS_DSTATE=dST is not None, STORE_DINIT=need_dinit, **blocks)
+    dstate = (delta, delta) if dST is None else (dST, dzT)
+    _bwd_dkv_kernel[grid](q, k, v, dy, rden, delta, *dstate, dk, dS0, dz0, T, F, D, DK=True,
+                          HAS_DSTATE=dST is not None, STORE_DINIT=need_dinit, **blocks)
     blocks.update(BLOCK_F=BF_fwd, BLOCK_D=BD_fwd)   # dv: split the values, the whole feature dimension
-    _bwd_dv_kernel[(BH, triton.cdiv(D, BD_fwd))](q, k, dy, rden, delta if dST is None else dST, dv, T, F, D,
-                                                 HAS_DSTATE=dST is not None, **blocks)
+    _bwd_dkv_kernel[(BH, triton.cdiv(D, BD_fwd))](q, k, v, dy, rden, delta, *dstate, dv, dS0, dz0, T, F, D, DK=False,
+                                                  HAS_DSTATE=dST is not None, STORE_DINIT=False, **blocks)
     return dq, dk, dv, (dS0, dz0) if need_dinit else (None, None)
 
 
@@ -344,9 +304,9 @@ class CausalLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, S0, z0, eps, return_state, chunk_size, allow_tf32):
-        B, H, T, F = phi_q.shape
-        D = v.shape[-1]
-        dtype = _compute_dtype(phi_q.dtype, phi_k.dtype, v.dtype)
+        (B, H, T, F), D = phi_q.shape, v.shape[-1]
+        dts = (phi_q.dtype, phi_k.dtype, v.dtype)   # bf16 if one is bf16, else promoted (see Precision)
+        dtype = torch.bfloat16 if torch.bfloat16 in dts else functools.reduce(torch.promote_types, dts)
         tf32 = torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32
         cfg = dict(BF16=dtype == torch.bfloat16 and not INTERPRET,   # the interpreter's bf16 tl.dot is wrong
                    PRECISION='ieee' if INTERPRET or (dtype == torch.float32 and not tf32) else 'tf32')
@@ -355,7 +315,7 @@ class CausalLinearAttention(torch.autograd.Function):
             S0, z0 = S0.float().reshape(B * H, F, D).contiguous(), z0.float().reshape(B * H, F).contiguous()
         y, rden, state = _fwd(q, k, vv, S0, z0, eps, return_state, chunk_size, cfg)
         ctx.save_for_backward(q, k, vv, y, rden, S0, z0)
-        ctx.cfg, ctx.dtypes = (B, H, T, F, D, chunk_size, cfg), (phi_q.dtype, phi_k.dtype, v.dtype)
+        ctx.cfg, ctx.dtypes = (B, H, T, F, D, chunk_size, cfg), dts
         y = y.reshape(B, H, T, D).to(v.dtype)
         return (y, state[0].reshape(B, H, F, D), state[1].reshape(B, H, F)) if return_state else y
 
@@ -364,10 +324,9 @@ class CausalLinearAttention(torch.autograd.Function):
         q, k, vv, y, rden, S0, z0 = ctx.saved_tensors
         B, H, T, F, D, chunk, cfg = ctx.cfg
         dy = torch.zeros_like(vv) if dy is None else dy.to(vv.dtype).reshape(B * H, T, D).contiguous()
-        if dST is not None or dzT is not None:
-            dST = q.new_zeros(B * H, F, D, dtype=torch.float32) if dST is None else dST.float().reshape(B * H, F, D)
-            dzT = q.new_zeros(B * H, F, dtype=torch.float32) if dzT is None else dzT.float().reshape(B * H, F)
-            dST, dzT = dST.contiguous(), dzT.contiguous()
+        if dST is not None or dzT is not None:   # the one of the two not used downstream: zeros
+            dST, dzT = (q.new_zeros(B * H, *n, dtype=torch.float32) if g is None else
+                        g.float().reshape(B * H, *n).contiguous() for g, n in ((dST, (F, D)), (dzT, (F,))))
         need_dinit = S0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             dq, dk, dv, (dS0, dz0) = _bwd(q, k, vv, y, rden, S0, z0, dy, dST, dzT, need_dinit, chunk, cfg)
@@ -412,7 +371,6 @@ def causal_linear_attention(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_state=None
 if __name__ == '__main__':
     # python kernels.py [--T 1024,4096,16384] [--dtype bfloat16] [--F 128] [--D 64]: milliseconds, CUDA only
     import argparse
-    import sys
     p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch SDPA (CUDA).')
     p.add_argument('--T', default='1024,4096,16384', help='comma-separated sequence lengths')
     p.add_argument('--dtype', default='bfloat16', choices=['float32', 'bfloat16', 'float16'])
@@ -420,8 +378,8 @@ if __name__ == '__main__':
     p.add_argument('--D', type=int, default=64, help='head dimension (the kernel: D <= 128)')
     a = p.parse_args()
     if not (HAS_TRITON and torch.cuda.is_available()):
-        sys.exit('kernels.py: the benchmark needs triton and a CUDA GPU; the tests run the kernel on CPU '
-                 '(tests/test_kernels.py, TRITON_INTERPRET=1)')
+        raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU; the tests run the kernel on CPU '
+                         '(tests/test_kernels.py, TRITON_INTERPRET=1)')
     B, H, dt = 4, 12, getattr(torch, a.dtype)
     print(f'B={B} H={H} F={a.F} D={a.D} {a.dtype}: median ms (triton.testing.do_bench), fwd / fwd+bwd')
     print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}')
@@ -432,7 +390,7 @@ if __name__ == '__main__':
                'reference': lambda: causal_linear_attention_reference(pq, pk, x[2]),
                'sdpa': lambda: torch.nn.functional.scaled_dot_product_attention(*x, is_causal=True)}
         cells = []
-        for name, fn in fns.items():
+        for fn in fns.values():
             try:
                 cells.append('{:7.2f} / {:7.2f}'.format(triton.testing.do_bench(fn),
                                                         triton.testing.do_bench(lambda: fn().sum().backward())))

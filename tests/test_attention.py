@@ -346,8 +346,6 @@ def test_metrics():
     assert abs(rho2[0, 0].item() - ref) < 1e-6
     assert A.kl_divergence(w, w).abs().max() < 1e-6
     assert (A.kl_divergence(w, w2) > 0).all()
-    ce = A.attention_cross_entropy(w, w)
-    assert torch.allclose(ce, A.attention_entropy(w).mean(), atol=1e-5)
 
 
 def test_kernel_l2():
