@@ -402,7 +402,8 @@ class AttnSpec:
     other than the fields are the map's options (t = temperature, f = feature_dim), values JSON where they parse.
     A changed copy: dataclasses.replace(spec, impl='recurrent') (options may be a dict)."""
     name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
-    window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs)
+    window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs); softmax: sliding-window softmax alone
+    sinks: int = 0            # the first `sinks` tokens stay in the window's softmax part (StreamingLLM's sink tokens)
     combine: str = 'joint'    # the window form: joint | mix
     diag_block: int = 0       # > 0: block-diagonal softmax + linear (LLN+Diag)
     impl: str = 'chunked'     # the linear-attention path: quadratic | chunked | recurrent | triton
@@ -418,8 +419,10 @@ class AttnSpec:
         for bad, why in ((self.window < 0 or self.diag_block < 0, "window and diag_block must be >= 0"),
                          (self.window and self.diag_block, "choose one hybrid, window or diag_block, not both"),
                          (self.combine != 'joint' and not self.window, "combine is the window's form: set window"),
+                         (self.sinks < 0 or (self.sinks and not self.window), "sinks (>= 0) belong to a window"),
                          (self.impl == 'triton' and self.window, "the window hybrid has no triton path"),
-                         (self.name == 'softmax' and (self.window or self.diag_block), "softmax takes no hybrid"),
+                         (self.name == 'softmax' and (self.diag_block or self.combine != 'joint'),
+                          "softmax takes a window and sinks, no diag_block or combine"),
                          (unknown, f"unknown option(s) {', '.join(unknown)}; {self.name}'s options: "
                                    f"{', '.join(known) or 'none'}")):
             if bad:
@@ -438,7 +441,7 @@ class AttnSpec:
                 raise ValueError(f"attention spec {s!r}: expected name:key=value:.. with distinct keys, got {item!r}")
             with contextlib.suppress(ValueError):
                 value = json.loads(value)
-            (fields_ if key in ('window', 'combine', 'diag_block', 'impl') else options)[key] = value
+            (fields_ if key in ('window', 'sinks', 'combine', 'diag_block', 'impl') else options)[key] = value
         return cls(name, options=options, **fields_)
 
     def __str__(self):
@@ -523,6 +526,14 @@ def _window_softmax(q, k, v, visible):
     a = torch.exp(s - m)
     return a @ v, a.sum(-1), m[..., 0]
 
+def _merge_softmax(a, b):
+    """Two unnormalised softmax parts (num, den, m) of _window_softmax over disjoint keys as one; m: the max
+    over the keys either row sees (a row that sees no key has den 0 and adds nothing)."""
+    ma, mb = (x[2].where(x[1] > 0, -math.inf) for x in (a, b))
+    m = torch.maximum(ma, mb).nan_to_num(neginf=0.0)
+    ra, rb = torch.exp(ma - m), torch.exp(mb - m)
+    return a[0] * ra[..., None] + b[0] * rb[..., None], a[1] * ra + b[1] * rb, m
+
 def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
     """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
     _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
@@ -541,9 +552,11 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None], p[..., 0]
 
 def window_linear_attention(q, k, v, phi_q, phi_k, c, window, factor, causal=True, key_padding_mask=None,
-                            impl='chunked', chunk_size=64, combine='joint'):
+                            impl='chunked', chunk_size=64, combine='joint', sinks=0):
     """Sliding-window softmax + linear attention (LoLCATs-w): softmax over W(i) = {i - window < j <= i} (causal)
     or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c) phi_q.phi_k, c (B, H, T)).
+    sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink tokens, Xiao et al. 2024), not
+    the linear part. phi_q None: sliding-window softmax alone (with its sinks).
     O(T window + T F D / chunk) memory: windows in blocks of `window` queries, linear keys shifted `window`."""
     (B, H, T, D), w = q.shape, window
     qb = F.pad(_acc(q), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, D)  # (B, H, n, w, D)
@@ -556,7 +569,17 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c, window, factor, causal=Tru
         visible = visible & keep[:, :, :, None, :]
     cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
     num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(_acc(k), w), _band_blocks(_acc(v), w), visible))
+    N = min(sinks, T)
+    if N:  # the sink keys outside the window: (T, N), with the padding (B, 1, T, N)
+        i, j = torch.arange(T, device=q.device)[:, None], torch.arange(N, device=q.device)
+        visible = ~_in_window(i, j, w, causal) & ((i >= j) if causal else True)
+        visible = visible if key_padding_mask is None else visible & key_padding_mask[:, None, None, :N]
+        num_w, den_w, m = _merge_softmax((num_w, den_w, m), _window_softmax(_acc(q), _acc(k[:, :, :N]),
+                                                                            _acc(v[:, :, :N]), visible))
+    if phi_q is None:  # no linear part: the softmax part alone (a row with no key gives 0)
+        return combine_window_linear(num_w, den_w, m, 0 * num_w, 0 * den_w, 0 * den_w, den_w.new_ones(H))[0].to(v.dtype)
     pk = _acc(phi_k) if key_padding_mask is None else _acc(phi_k) * key_padding_mask[:, None, :, None]
+    pk = torch.cat([0 * pk[:, :, :N], pk[:, :, N:]], 2)  # sinks are not in the linear part
     shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
     num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, impl, chunk_size)
     if not causal:  # plus the keys j >= i + w: the same, backwards in time
@@ -609,7 +632,7 @@ class Attention(nn.Module):
         if spec.name == 'cosformer' and max_len is not None:
             options.setdefault('max_len', max_len)
         self.fmap = None if spec.name == 'softmax' else FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
-        if spec.window:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' official code: -2.197);
+        if spec.window and self.fmap is not None:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197);
             # mix: s = sigmoid(theta) = 1/2 until calibrate() sets it from the teacher
             theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((n_heads,), theta))
@@ -620,13 +643,13 @@ class Attention(nn.Module):
 
     @property
     def kind(self):
-        if self.fmap is None or self.teacher:
+        if self.teacher or (self.fmap is None and not self.window):
             return 'softmax'
         return 'window' if self.window else 'diag' if self.spec.diag_block else 'linear'
 
     def factor(self):
         """The window factor through its sigmoid, per head: gamma (joint) or s (mix), on the window part."""
-        return torch.sigmoid(self.window_factor)
+        return torch.sigmoid(self.window_factor) if self.fmap is not None else None
 
     @torch.no_grad()
     def calibrate(self, q, k):
@@ -693,19 +716,23 @@ class Attention(nn.Module):
         """All tokens at once: linear (from a state or not), or a hybrid from scratch. The state: (S, z) in units
         of exp(-c_k), the key shift c_k, and for a hybrid the tokens still in its window / partial block."""
         T, g, causal = q.shape[-2], self.kv_groups, self.causal
-        phi_q, phi_k, c_q, c_k, init = self._features(q, k, state)
-        if key_padding_mask is not None:
+        lin = self.fmap is not None  # False: sliding-window softmax alone
+        phi_q, phi_k, c_q, c_k, init = self._features(q, k, state) if lin else (None,) * 5
+        if key_padding_mask is not None and lin:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
         new = {'kind': self.kind, 'offset': T + (0 if state is None else state['offset']), 'c_k': c_k}
         if self.kind == 'window':
-            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q + c_k[..., None], self.window, self.factor(), causal,
-                                        key_padding_mask, self.spec.impl, self.chunk_size, self.window_combine)
+            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q + c_k[..., None] if lin else None, self.window,
+                                        self.factor(), causal, key_padding_mask, self.spec.impl, self.chunk_size,
+                                        self.window_combine, self.spec.sinks)
             if not (return_state and causal):
                 return y, None
-            cut = max(T - (self.window - 1), 0)  # (S, z) over tokens < cut; the last window - 1 stay in the window
-            return y, {**new, 'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, :cut], _acc(v[:, :, :cut])),
-                       'z': phi_k[:, :, :cut].sum(-2), 'k': k[:, ::g, cut:].clone(), 'v': v[:, ::g, cut:].clone(),
-                       'phi_k': phi_k[:, :, cut:].clone()}
+            cut = max(T - (self.window - 1), 0)  # tokens < cut left the window: the sinks, then (S, z)
+            n = min(self.spec.sinks, cut)
+            new.update(k=k[:, ::g, cut:].clone(), v=v[:, ::g, cut:].clone(), sk=k[:, ::g, :n].clone(),
+                       sv=v[:, ::g, :n].clone())
+            return y, new if not lin else {**new, 'phi_k': phi_k[:, :, cut:].clone(), 'z': phi_k[:, :, n:cut].sum(-2),
+                                           'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, n:cut], _acc(v[:, :, n:cut]))}
         y, (S, z) = linear_attention(phi_q, phi_k, v, causal, self.spec.impl, EPS, self.chunk_size, init, True)
         if self.kind == 'diag':
             b = self.spec.diag_block
@@ -715,25 +742,36 @@ class Attention(nn.Module):
 
     def _hybrid_step(self, q, k, v, state):
         """One decode token of a hybrid, from its constant-size state."""
-        g, offset = self.kv_groups, state['offset']
-        phi_q, phi_k, c_q, c_k, (S, z, *pkw) = self._features(q, k, state)
+        g, offset, lin = self.kv_groups, state['offset'], self.fmap is not None
+        if lin:
+            phi_q, phi_k, c_q, c_k, (S, z, *pkw) = self._features(q, k, state)
         kw, vw = torch.cat([state['k'], k[:, ::g]], 2), torch.cat([state['v'], v[:, ::g]], 2)  # (B, H_kv, <=w, D)
-        new = {'kind': self.kind, 'offset': offset + 1, 'c_k': c_k}
+        new = {'kind': self.kind, 'offset': offset + 1, 'c_k': c_k if lin else None}
         if self.kind == 'diag':  # the token's block: the buffered partial block and itself
             y, (S, z) = linear_attention(phi_q, phi_k, v, True, 'recurrent', EPS, initial_state=(S, z),
                                          return_state=True)
             y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False).to(y.dtype))
             keep = kw.shape[2] if (offset + 1) % self.spec.diag_block else 0  # a full block empties the buffer
             return y, {**new, 'S': S, 'z': z, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
-        pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
         kv = lambda x: _acc(x.repeat_interleave(g, 1))  # noqa: E731, GQA: query head h reads kv head h // g
-        num_w, den_w, m = _window_softmax(_acc(q), kv(kw), kv(vw), torch.ones((), dtype=torch.bool, device=q.device))
-        y, _ = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + c_k[..., None],
-                                     self.factor(), self.window_combine)
-        if kw.shape[2] == self.window:  # the oldest token leaves the window for the linear state
-            S = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], kv(vw[:, :, :1])[:, :, 0])
-            z, kw, vw, pkw = z + pkw[:, :, 0], kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:]
-        return y.to(v.dtype), {**new, 'S': S, 'z': z, 'k': kw, 'v': vw, 'phi_k': pkw}
+        sk, sv = state['sk'], state['sv']  # the sink tokens that left the window
+        num_w, den_w, m = _window_softmax(_acc(q), kv(torch.cat([sk, kw], 2)), kv(torch.cat([sv, vw], 2)),
+                                          torch.ones((), dtype=torch.bool, device=q.device))
+        if lin:
+            pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
+            y, _ = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0],
+                                         c_q + c_k[..., None], self.factor(), self.window_combine)
+        else:
+            y = num_w / den_w[..., None]
+        if kw.shape[2] == self.window:  # the oldest token leaves the window: to the sinks, or to the linear state
+            if offset + 1 - self.window < self.spec.sinks:
+                sk, sv = torch.cat([sk, kw[:, :, :1]], 2), torch.cat([sv, vw[:, :, :1]], 2)
+            elif lin:
+                S = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], kv(vw[:, :, :1])[:, :, 0])
+                z = z + pkw[:, :, 0]
+            kw, vw, pkw = kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:] if lin else None
+        new.update(k=kw, v=vw, sk=sk, sv=sv)
+        return y.to(v.dtype), new if not lin else {**new, 'S': S, 'z': z, 'phi_k': pkw}
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""

@@ -308,9 +308,9 @@ def test_key_padding_mask_bidirectional():
     q, k, v = qkv(T=10)
     mask = torch.ones(B, 10, dtype=torch.bool)
     mask[0, 7:] = False
-    for kw in [{}, {'window': 3}, {'diag_block': 4}]:
+    for kw in [{}, {'window': 3}, {'window': 3, 'sinks': 2}, {'diag_block': 4}]:
         for name in ['softmax', 'hedgehog']:
-            if name == 'softmax' and kw:
+            if name == 'softmax' and 'diag_block' in kw:
                 continue
             core = core_of(name, causal=False, **kw)
             y = core(q, k, v, key_padding_mask=mask)
@@ -440,14 +440,18 @@ def test_large_queries_and_keys_match_float64(name, opts, sink):
             assert rel_err(y.double(), ref) < 1e-4, (impl, causal, rel_err(y.double(), ref))
 
 
-def naive_window_ref(q, k, v, logk, w, f, causal, combine):
+def naive_window_ref(q, k, v, logk, w, f, causal, combine, sinks=0):
     """Both window forms written out in float64 from the exact log-kernel: 'joint' (one normalisation, g on
-    the linear term) and 'mix' (s y_window + (1 - s) y_linear, each normalised; window only if no linear key)."""
+    the linear term) and 'mix' (s y_window + (1 - s) y_linear, each normalised; window only if no linear key);
+    logk None: sliding-window softmax alone. The first `sinks` keys are in every row's softmax part."""
     T, D = q.shape[-2], q.shape[-1]
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    win = ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
-    lin = (i - j >= w) if causal else ((i - j).abs() >= w)
+    seen = (i >= j) if causal else torch.ones(T, T, dtype=torch.bool)
+    win = ((i - j < w) & seen if causal else (i - j).abs() < w) | ((j < sinks) & seen)
+    lin = seen & ~win
     s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    if logk is None:
+        return torch.softmax(s.masked_fill(~win, float('-inf')), -1) @ v
     f = f.double().view(1, -1, 1, 1)
     if combine == 'joint':  # window weights gamma exp(s_ij - m_i), m_i the row's max window score
         m = s.masked_fill(~win, float('-inf')).amax(-1, keepdim=True)
@@ -463,13 +467,16 @@ def naive_window_ref(q, k, v, logk, w, f, causal, combine):
 @pytest.mark.parametrize("name,opts", [('hedgehog', {}), ('lolcats', {'activation': 'exp'}), ('performer', {}),
                                        ('exp', {'temperature': 2.0}), ('lln', {})])
 @pytest.mark.parametrize("causal", [True, False])
-def test_window_hybrid_matches_float64_on_large_inputs(combine, name, opts, causal):
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_window_hybrid_matches_float64_on_large_inputs(combine, name, opts, causal, sinks):
     q, k = big_qk(sink=True)
     v = torch.randn(1, 2, 48, 16, dtype=torch.float64)
-    core = core_of(name, 16, 2, causal=causal, window=5, combine=combine, chunk_size=16, options=opts).eval()
+    core = core_of(name, 16, 2, causal=causal, window=5, combine=combine, chunk_size=16, options=opts,
+                   sinks=sinks).eval()
     with torch.no_grad():
         core.window_factor.copy_(torch.tensor([-1.5, 1.0]))
-    ref = naive_window_ref(q, k, v, exact_log_kernel(core.fmap, q, k), 5, core.factor().detach(), causal, combine)
+    ref = naive_window_ref(q, k, v, exact_log_kernel(core.fmap, q, k), 5, core.factor().detach(), causal, combine,
+                           sinks)
     core.float()
     y = core(q.float(), k.float(), v.float())
     assert torch.isfinite(y).all()
@@ -477,22 +484,54 @@ def test_window_hybrid_matches_float64_on_large_inputs(combine, name, opts, caus
     assert rel_err((core.weights(q.float(), k.float()) @ v.float()).double(), ref) < 1e-4
 
 
-@pytest.mark.parametrize("combine", A.WINDOW_COMBINES)
-def test_window_forms_decode_matches_parallel(combine):
-    """Token-by-token decoding from the constant-size state equals the parallel form, for both combines."""
+@pytest.mark.parametrize("spec", ['hedgehog:window=4', 'hedgehog:window=4:combine=mix', 'hedgehog:window=4:sinks=3',
+                                  'hedgehog:window=4:sinks=3:combine=mix', 'softmax:window=4',
+                                  'softmax:window=4:sinks=3'])
+@pytest.mark.parametrize("prefill", [2, 3, 9])
+def test_window_forms_decode_matches_parallel(spec, prefill):
+    """Token-by-token decoding from the constant-size state equals the parallel form, for both combines, with
+    and without sink tokens (a prefill shorter than, equal to and longer than the sinks plus the window)."""
     q, k = big_qk(T=23, sink=True)
     q, k = q.float(), k.float()
     v = torch.randn(1, 2, 23, 16)
-    core = A.Attention(f'hedgehog:window=4:combine={combine}', 16, 2).eval()
-    with torch.no_grad():
-        core.window_factor.copy_(torch.tensor([0.7, -0.3]))
+    core = A.Attention(spec, 16, 2).eval()
+    if core.fmap is not None:
+        with torch.no_grad():
+            core.window_factor.copy_(torch.tensor([0.7, -0.3]))
     y = core(q, k, v)
-    _, st = core(q[:, :, :3], k[:, :, :3], v[:, :, :3], return_state=True)
-    outs = [y[:, :, :3]]
-    for t in range(3, 23):
+    _, st = core(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], return_state=True)
+    outs, sizes = [y[:, :, :prefill]], []
+    for t in range(prefill, 23):
         yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
         outs.append(yt)
+        sizes.append(A.state_nbytes(st))
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
+    assert len(set(sizes[-5:])) == 1  # constant size once the sinks are filled
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sinks", [0, 1, 4])
+def test_sliding_window_softmax_matches_float64(causal, sinks):
+    """softmax:window=w[:sinks=N] (StreamingLLM's sink tokens): softmax over the window and the first N keys."""
+    q, k = big_qk(sink=True)
+    v = torch.randn(1, 2, 48, 16, dtype=torch.float64)
+    core = core_of('softmax', 16, 2, causal=causal, window=5, sinks=sinks)
+    y = core(q.float(), k.float(), v.float())
+    ref = naive_window_ref(q, k, v, None, 5, None, causal, None, sinks)
+    assert rel_err(y.double(), ref) < 1e-5
+    assert rel_err((core.weights(q.float(), k.float()) @ v.float()).double(), ref) < 1e-5
+    w = core.weights(q.float(), k.float())[0, 0]
+    assert (w[20, 16:21] > 0).all() and (w[20, sinks:16] == 0).all() and (w[20, :sinks] > 0).all()
+    if causal:
+        assert (w.triu(1) == 0).all()  # no future key
+
+
+def test_sinks_spec_errors():
+    assert str(A.AttnSpec.parse('softmax:window=64:sinks=4')) == 'softmax:window=64:sinks=4'
+    for bad, msg in [('hedgehog:sinks=4', 'sinks'), ('softmax:window=8:combine=mix', 'no diag_block or combine'),
+                     ('softmax:diag_block=8', 'no diag_block')]:
+        with pytest.raises(ValueError, match=msg):
+            A.AttnSpec.parse(bad)
 
 
 def test_window_mix_calibration_sets_teacher_window_mass():
@@ -571,7 +610,7 @@ def test_attn_spec_fields_aliases_and_defaults():
     ('hedgehog:temperature=2', "unknown option.* temperature; hedgehog's options: feature_dim, softmax_dim"),
     ('elu:f=8', "elu's options: none"),
     ('hedgehog:window=4:diag_block=4', "not both"),
-    ('softmax:window=4', "softmax takes no hybrid"),
+    ('softmax:diag_block=4', "softmax takes a window and sinks, no diag_block"),
     ('softmax:feature_dim=4', "unknown option"),
     ('hedgehog:combine=sum:window=4', "unknown window combine 'sum'; choose one of: joint, mix"),
     ('hedgehog:combine=mix', "set window"),
