@@ -128,9 +128,9 @@ def apply_rope(x, cos, sin):
 
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution):
-    y_t = sum_{i=0}^{K-1} w_i * x_{t-i} per channel, K = kernel_size, zeros before the first token.
-    w_i = weight[:, K-1-i] (F.conv1d's layout). Initialised to the identity (w_0 = 1, the rest 0), so adding
-    it to a trained model changes nothing. The decode state is the last K-1 inputs."""
+    y_t = sum_{i=0}^{K-1} w_i * x_{t-i} per channel (K = kernel_size, zeros before the first token), w_i =
+    weight[:, K-1-i] (F.conv1d's layout). Identity at init (w_0 = 1, the rest 0): adding it to a trained model
+    changes nothing. The decode state is the last K-1 inputs."""
 
     def __init__(self, channels, kernel_size):
         super().__init__()
@@ -139,10 +139,9 @@ class ShortConv(nn.Module):
 
     def forward(self, x, past=None):
         # x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)
-        K = self.kernel_size
-        xx = F.pad(x, (0, 0, K - 1, 0)) if past is None else torch.cat([past.to(x.dtype), x], dim=1)  # (B, K-1+T, C)
+        xx = F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None else torch.cat([past.to(x.dtype), x], dim=1)
         y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=x.size(-1))  # (B, C, T)
-        return y.transpose(1, 2), xx[:, xx.size(1) - (K - 1):]
+        return y.transpose(1, 2), xx[:, x.size(1):]                 # xx (B, K-1+T, C): its last K-1 rows
 
 class LoRALinear(nn.Linear):
     """y = x W^T + b + (alpha / r) x A^T B^T (Hu et al. 2021), A (r, in) random, B (out, r) zero: a fresh adapter
@@ -152,8 +151,8 @@ class LoRALinear(nn.Linear):
         nn.Module.__init__(self)
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        self.in_features, self.out_features, self.weight, self.bias = (base.in_features, base.out_features,
-                                                                       base.weight, base.bias)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
         self.rank, self.scaling = int(rank), float(alpha) / rank
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=base.weight.device))
@@ -284,7 +283,6 @@ class GPT(nn.Module):
         """Number of parameters, position embeddings excluded (as in nanoGPT)."""
         return sum(p.numel() for n, p in self.named_parameters() if n != 'transformer.wpe.weight')
 
-    # ---- attention cores and adapters ------------------------------------------
     def layer_spec(self, i):
         return AttnSpec.parse(self.config.layer_attn.get(i, self.config.attn))
 
@@ -297,13 +295,11 @@ class GPT(nn.Module):
         q/k/v/o and everything else; the config records it, so save/load rebuild the same model."""
         cfg, spec = self.config, str(AttnSpec.parse(spec))
         layers = range(cfg.n_layer) if layers is None else list(layers)
-        replace(cfg, layer_attn={**cfg.layer_attn, **dict.fromkeys(layers, spec)})   # validates the layer indices
+        layer_attn = replace(cfg, layer_attn={**cfg.layer_attn, **dict.fromkeys(layers, spec)}).layer_attn  # validated
         for i in layers:
             self.transformer.h[i].attn.core = make_core(cfg, spec).to(self.transformer.wte.weight.device)
-            cfg.layer_attn[i] = spec
-        if len(set(layers)) == cfg.n_layer:
-            cfg.attn = spec
-        cfg.layer_attn = {i: s for i, s in cfg.layer_attn.items() if s != cfg.attn}
+        cfg.attn = spec if len(set(layers)) == cfg.n_layer else cfg.attn
+        cfg.layer_attn = {i: s for i, s in layer_attn.items() if s != cfg.attn}
         return self
 
     def _add_lora(self, rank, alpha, targets):
@@ -325,10 +321,9 @@ class GPT(nn.Module):
 
     @contextlib.contextmanager
     def capture_qkv(self, layers=None, teacher=False):
-        """with model.capture_qkv() as rec: model(x)  ->  rec[i] = (q, k, v, key_padding_mask): what layer i's
-        attention core received, (B, H, T, D) after RoPE (k, v GQA-repeated to H); the mask is None for causal
-        models. teacher=True makes every core compute exact softmax meanwhile, so that a converted model runs
-        as its teacher. The one q/k capture: attention transfer, DoF, fidelity and entropy metrics use it."""
+        """with model.capture_qkv() as rec: model(x) -> rec[i] = (q, k, v, key_padding_mask) that layer i's core got:
+        (B, H, T, D) after RoPE, k and v GQA-repeated, mask None if causal. teacher=True: every core computes exact
+        softmax meanwhile (a converted model runs as its teacher). The one q/k capture (transfer, DoF, metrics)."""
         cores, rec = self.attention_cores(), {}
         layers = range(len(cores)) if layers is None else layers
         hooks = [cores[i].register_forward_pre_hook(
@@ -345,7 +340,6 @@ class GPT(nn.Module):
             for c, f in zip(cores, flags):
                 c.teacher = f
 
-    # ---- forward ---------------------------------------------------------------
     def _rope(self, offset, T, device):
         if device not in self._inv_freq:
             cfg = self.config
@@ -354,8 +348,7 @@ class GPT(nn.Module):
         emb = torch.outer(pos, self._inv_freq[device]).repeat(1, 2)   # (T, hs)
         return emb.cos(), emb.sin()
 
-    def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None,
-                      attention_mask=None):
+    def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None, attention_mask=None):
         """Final hidden states (B, T, C) of tokens at positions offset..offset+T-1, and the new decode states.
         attention_mask (B, T) (BERT): 1 = real token, 0 = padding."""
         cfg, tr = self.config, self.transformer
@@ -363,8 +356,7 @@ class GPT(nn.Module):
         x = tr.wte(idx)                                             # (B, T, C)
         if 'wpe' in tr:
             if offset + T > cfg.block_size:
-                raise ValueError(f"sequence of length {offset + T} is longer than block_size={cfg.block_size} "
-                                 "(learned position embeddings)")
+                raise ValueError(f"{offset + T} positions exceed block_size={cfg.block_size} (learned positions)")
             x = x + tr.wpe(torch.arange(offset, offset + T, device=idx.device))
         if cfg.family == 'bert':
             x = tr.ln_e(x + tr.wtt(torch.zeros_like(idx) if token_type_ids is None else token_type_ids))
@@ -382,9 +374,8 @@ class GPT(nn.Module):
         if self.config.family == 'bert':
             raise ValueError("family='bert' is bidirectional: use model.encode(...) or model.classify(...)")
         logits = self.lm_head(self.hidden_states(idx)[0])           # (B, T, vocab)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-100)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1))
+        return logits, loss   # F.cross_entropy's ignore_index is -100
 
     def encode(self, idx, attention_mask=None, token_type_ids=None):
         """BERT: last hidden states (B, T, C). attention_mask (B, T): 1 = real token, 0 = padding."""
@@ -409,10 +400,9 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.float(), labels.long())
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW over the trainable parameters. Weight decay pulls a weight towards zero, so it goes only where
-        zero is neutral: the 2-D weights of the nanoGPT-initialised projections and embeddings, and the LoRA
-        factors. Not decayed: 1-D gains and biases, and what starts at the identity or another structured value
-        (everything inside the attention cores -- feature maps, window factors -- and the short convolution)."""
+        """AdamW over the trainable parameters. Weight decay pulls towards zero, so it goes only where zero is neutral:
+        2-D weights of the nanoGPT-initialised projections and embeddings, LoRA factors. Not decayed: 1-D gains and
+        biases, and what starts at the identity or another structured value (attention cores, short convolution)."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         decayed = lambda n, p: p.dim() >= 2 and '.core.' not in n and '.k_conv.' not in n
         decay = [p for n, p in named if decayed(n, p)]
@@ -421,7 +411,6 @@ class GPT(nn.Module):
                                   {'params': nodecay, 'weight_decay': 0.0}], lr=learning_rate, betas=betas,
                                  fused=device_type == 'cuda')
 
-    # ---- generation --------------------------------------------------------------
     def decode_state_nbytes(self, states):
         """Bytes held by the per-layer decoding states (KV caches or recurrent states)."""
         return sum(state_nbytes(s) for s in states)
@@ -487,11 +476,9 @@ class GPT(nn.Module):
 # load and save: one loader for every format, one checkpoint format
 
 def load(path, **overrides):
-    """(model, extra) from any model this project reads:
-      - our checkpoint (save(); out_dir/ckpt.pt or its folder); a converted model's names its base model and
-        holds only what the conversion added;
-      - a HuggingFace folder (config.json + safetensors / .bin, sharded or not) or hub name (needs internet);
-      - a llama.cpp .gguf file (dequantised to float32).
+    """(model, extra) from our checkpoint (save(); out_dir/ckpt.pt or its folder; a converted model's names its base
+    and holds only what the conversion added), a HuggingFace folder (config.json + safetensors / .bin, sharded or
+    not) or hub name (needs internet), or a llama.cpp .gguf file (dequantised to float32).
     `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...). Only new
     attention parameters may be absent; when `attn` changes the map of a layer of our checkpoint, its trained
     core is re-initialised (with a message); a change of `impl` alone keeps it. model.tokenizer is the
@@ -535,10 +522,9 @@ def _is_new(name):
     return '.core.' in name or name.endswith(('.lora_A', '.lora_B'))
 
 def _own_tensors(model):
-    sd = model.state_dict()
-    if model.config.family != 'bert' and model.config.tie_embeddings:
-        sd.pop('lm_head.weight')    # the same tensor as transformer.wte.weight
-    return sd
+    """The state dict less a tied lm_head.weight (the same tensor as transformer.wte.weight)."""
+    tied = model.config.family != 'bert' and model.config.tie_embeddings
+    return {k: v for k, v in model.state_dict().items() if not (tied and k == 'lm_head.weight')}
 
 def save(path, model, base=None, keep=(), **extra):
     """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path` atomically. base: the
@@ -587,9 +573,8 @@ def _fmt(names, limit=20):
     return ', '.join(names[:limit]) + (f', ... ({len(names) - limit} more)' if len(names) > limit else '')
 
 def _copy_checked(header, own, tensors, kmap, need, skip=(), where=''):
-    """Copy `tensors` (by their names in the file) into the model's state `own` through kmap {our name: (file
-    name, transform)}, or raise one ValueError naming every missing (of `need`), unexpected (beyond `skip`) and
-    mis-shaped tensor by its name in the file."""
+    """Copy `tensors` (keyed by file names) into the model's state `own` via kmap {our name: (file name, transform)},
+    or raise one ValueError naming every missing (of `need`), unexpected (beyond `skip`) and mis-shaped one."""
     mapped = {k: kmap[k][1](tensors[kmap[k][0]]) for k in own if kmap[k][0] in tensors}
     problems = sorted({f"{kmap[k][0]}: file {tuple(tensors[kmap[k][0]].shape)} vs model {tuple(own[k].shape)}"
                        for k, t in mapped.items() if t.shape != own[k].shape})
@@ -621,8 +606,7 @@ def hf_config_to_kwargs(hf):
         bias = get('attention_bias', False)
         if get('hidden_act', 'silu') != 'silu' or bias != get('mlp_bias', False) or \
                 get('head_dim') not in (None, hf['hidden_size'] // hf['num_attention_heads']):
-            raise ValueError("Llama variants other than silu, one bias flag and head_dim = hidden/heads "
-                             "are not supported")
+            raise ValueError("Llama variants other than silu, one bias flag, head_dim = hidden/heads are unsupported")
         rope = get('rope_parameters') or {}   # transformers >= 5
         theta = rope.get('rope_theta', get('rope_theta', 10000.0))
         scaling = {k: v for k, v in (get('rope_scaling') or rope).items() if k != 'rope_theta'}
@@ -636,9 +620,8 @@ def hf_config_to_kwargs(hf):
     if mt == 'bert':
         if get('hidden_act', 'gelu') != 'gelu' or get('position_embedding_type', 'absolute') != 'absolute':
             raise ValueError("BERT variants other than exact gelu with absolute positions are not supported")
-        num_labels = 0
-        if any(a.endswith('ForSequenceClassification') for a in get('architectures') or []):
-            num_labels = len(hf['id2label']) if get('id2label') else get('num_labels', 2)
+        clf = any(a.endswith('ForSequenceClassification') for a in get('architectures') or [])
+        num_labels = (len(hf['id2label']) if get('id2label') else get('num_labels', 2)) if clf else 0
         return dict(family='bert', vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
                     n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'], n_embd=hf['hidden_size'],
                     intermediate_size=hf['intermediate_size'], norm_eps=get('layer_norm_eps', 1e-12),
@@ -660,9 +643,8 @@ def _hf_folder(name_or_dir):
         if not any(f.endswith('.safetensors') for f in os.listdir(folder)):
             folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.bin'])
     except Exception as e:  # offline, unknown repo, gated model, ...
-        raise RuntimeError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: "
-                           f"{e}). Downloading needs internet access (and a token for gated models); otherwise "
-                           "pass a local folder with config.json and *.safetensors.") from e
+        raise RuntimeError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: {e}); "
+                           "that needs internet access (and a token for gated models); or give a local folder") from e
     return folder
 
 def _read_hf_tensors(folder):
@@ -796,24 +778,22 @@ def gguf_config_to_kwargs(reader, path):
                 if scaling == 'linear' else None)
 
 def unpermute_qk(w, n_heads):
-    """Undo llama.cpp's q/k row order. convert_hf_to_gguf.py's `permute(w, n_head, n_head_kv)` reshapes the
-    rows to (heads, 2, head_dim/2) and swaps the last two axes, so that each head's two RoPE halves interleave
-    (GGML's rope rotates adjacent pairs); this goes back to HF's rotate_half layout (halves in blocks).
-    w: (n_heads * head_dim, ...) with n_heads = n_head for q, n_kv_head for k."""
+    """Undo llama.cpp's q/k row order: convert_hf_to_gguf.py's `permute(w, n_head, n_head_kv)` reshapes the rows to
+    (heads, 2, head_dim/2) and swaps the last two axes, interleaving each head's two RoPE halves (GGML's rope rotates
+    adjacent pairs); back to HF's rotate_half layout (halves in blocks). n_heads: n_head for q, n_kv_head for k."""
     if w.shape[0] % (2 * n_heads):   # a mis-shaped tensor: as it is, for load to report
         return w
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)   # (heads, hd/2, 2, ...)
 
 def _read_gguf_tensors(reader, path):
     """{GGUF name: float32 tensor in torch's (out, in) layout} of a GGUF file; every tensor type checked."""
-    import gguf
     import numpy as np
-    supported = [getattr(gguf.GGMLQuantizationType, t) for t in GGUF_TENSOR_TYPES]
+    from gguf.quants import dequantize
     out = {}
     for t in reader.tensors:
-        if t.tensor_type not in supported:
+        if t.tensor_type.name not in GGUF_TENSOR_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported types: "
                              f"{', '.join(GGUF_TENSOR_TYPES)}")
-        w = np.require(gguf.quants.dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
+        w = np.require(dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
         out[t.name] = torch.from_numpy(w.reshape(tuple(reversed(t.shape.tolist()))))
     return out
