@@ -1,13 +1,8 @@
 """
 One transformer for the three model families the linear-attention papers convert, and every way to load it.
 
-In reading order:
-  GPTConfig        one dataclass: the family switch, sizes, and the attention as one value (attention.AttnSpec)
-  building blocks  RMSNorm, RoPE, ShortConv (a causal conv on the keys), LoRALinear, SelfAttention, MLP, Block
-  GPT              forward / encode / classify, set_attention, capture_qkv, configure_optimizers, generate
-  load / save      one loader for every format: our ckpt.pt (train.py and convert.py write it), a HuggingFace
-                   folder or hub name, a llama.cpp .gguf file; one atomic save
-  HF / GGUF        the key maps and config translations behind load
+In reading order: GPTConfig; the building blocks (RMSNorm, RoPE, ShortConv, LoRALinear, SelfAttention, MLP,
+Block); GPT; load / save (every format, below) with the HF and GGUF key maps and config translations.
 
 The families, as a config switch rather than three copies of the code:
 - GPT-2: learned positions, pre-LayerNorm, GELU (tanh) MLP, tied embeddings, causal;
@@ -22,7 +17,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -34,7 +28,6 @@ import tokenizer as tokenizer_lib
 from attention import Attention, AttnSpec, state_nbytes
 
 FAMILIES = ('gpt2', 'llama', 'bert')
-
 
 @dataclass
 class GPTConfig:
@@ -99,19 +92,16 @@ class RMSNorm(nn.Module):
 
     def __init__(self, ndim, eps=1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(ndim)), eps
 
     def forward(self, x):
         dtype, x = x.dtype, x.float()
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
-
 def make_norm(config):
     if config.family == 'llama':
         return RMSNorm(config.n_embd, eps=config.norm_eps)
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-
 
 def rope_inv_freq(head_dim, theta, scaling=None):
     """RoPE inverse frequencies (head_dim/2,), with HF's 'linear' and 'llama3' scalings."""
@@ -131,47 +121,38 @@ def rope_inv_freq(head_dim, theta, scaling=None):
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
-
 def apply_rope(x, cos, sin):
     # x (B, nh, T, hs); cos, sin (T, hs) -- HF Llama rotate_half convention
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
-
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution):
-    y_t = sum_{i=0}^{K-1} w_i * x_{t-i} per channel, K = kernel_size, zeros before the first token.
-    w_i = weight[:, K-1-i] (F.conv1d's layout). Initialised to the identity (w_0 = 1, the rest 0), so adding
-    it to a trained model changes nothing. The decode state is the last K-1 inputs."""
+    y_t = sum_{i=0}^{K-1} w_i * x_{t-i} per channel (K = kernel_size, zeros before the first token), w_i =
+    weight[:, K-1-i] (F.conv1d's layout). Identity at init (w_0 = 1, the rest 0): adding it to a trained model
+    changes nothing. The decode state is the last K-1 inputs."""
 
     def __init__(self, channels, kernel_size):
         super().__init__()
         self.kernel_size = kernel_size
-        self.weight = nn.Parameter(torch.zeros(channels, kernel_size))   # (C, K); last tap = current token
-        with torch.no_grad():
-            self.weight[:, -1] = 1.0
+        self.weight = nn.Parameter(torch.eye(kernel_size)[-1].repeat(channels, 1))   # (C, K); last tap = current
 
     def forward(self, x, past=None):
         # x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)
-        B, T, C = x.shape
-        if past is None:
-            past = x.new_zeros(B, self.kernel_size - 1, C)
-        xx = torch.cat([past.to(x.dtype), x], dim=1)                      # (B, K-1+T, C)
-        y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=C)  # (B, C, T)
-        return y.transpose(1, 2), xx[:, xx.size(1) - (self.kernel_size - 1):]
-
+        xx = F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None else torch.cat([past.to(x.dtype), x], dim=1)
+        y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=x.size(-1))  # (B, C, T)
+        return y.transpose(1, 2), xx[:, x.size(1):]                 # xx (B, K-1+T, C): its last K-1 rows
 
 class LoRALinear(nn.Linear):
-    """y = x W^T + b + (alpha / r) x A^T B^T (Hu et al. 2021), A (r, in) random, B (out, r) zero: a fresh
-    adapter changes nothing. It *is* the nn.Linear it wraps (same `weight`, `bias` Parameters and state-dict
-    names), plus `lora_A` and `lora_B`."""
+    """y = x W^T + b + (alpha / r) x A^T B^T (Hu et al. 2021), A (r, in) random, B (out, r) zero: a fresh adapter
+    changes nothing. It *is* the nn.Linear it wraps (same `weight`, `bias` and state-dict names) plus lora_A, lora_B."""
 
     def __init__(self, base, rank=8, alpha=16.0):
         nn.Module.__init__(self)
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        self.in_features, self.out_features, self.weight, self.bias = (base.in_features, base.out_features,
-                                                                       base.weight, base.bias)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
         self.rank, self.scaling = int(rank), float(alpha) / rank
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=base.weight.device))
@@ -183,20 +164,17 @@ class LoRALinear(nn.Linear):
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
 
-
 class SelfAttention(nn.Module):
     """q/k/v/o projections around a pluggable attention core (attention.Attention)."""
 
     def __init__(self, config, spec):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        C, hs = config.n_embd, config.head_dim
-        self.q_proj = nn.Linear(C, self.n_head * hs, bias=config.bias)
-        self.k_proj = nn.Linear(C, self.n_kv_head * hs, bias=config.bias)
-        self.v_proj = nn.Linear(C, self.n_kv_head * hs, bias=config.bias)
-        self.o_proj = nn.Linear(self.n_head * hs, C, bias=config.bias)
+        C, nh, nkv, hs = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = nh, nkv, hs
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(C, n * hs, bias=config.bias) for n in (nh, nkv, nkv))
+        self.o_proj = nn.Linear(nh * hs, C, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.k_conv = ShortConv(self.n_kv_head * hs, config.short_conv) if config.short_conv else None
+        self.k_conv = ShortConv(nkv * hs, config.short_conv) if config.short_conv else None
         self.core = make_core(config, spec)
 
     def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
@@ -212,23 +190,18 @@ class SelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        kw = {} if key_padding_mask is None else {'key_padding_mask': key_padding_mask}
+        core_state = None if state is None else {n: t for n, t in state.items() if n != 'k_conv'}
+        y = self.core(q, k, v, state=core_state, return_state=return_state, key_padding_mask=key_padding_mask)
         if return_state:
-            core_state = None if state is None else {n: t for n, t in state.items() if n != 'k_conv'}
-            y, state = self.core(q, k, v, state=core_state, return_state=True, **kw)
-            if conv_past is not None:
-                state = {**state, 'k_conv': conv_past}
-        else:
-            y = self.core(q, k, v, **kw)                        # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C)
+            y, state = y
+            state = state if conv_past is None else {**state, 'k_conv': conv_past}
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
-
 
 def make_core(config, spec):
     """The attention core of one layer for `spec` (an AttnSpec or its string); cosformer's M = block_size."""
     return Attention(spec, config.head_dim, config.n_head, causal=config.causal,
                      kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size)
-
 
 class MLP(nn.Module):
     """GELU MLP (gpt2: tanh approximation, bert: exact) or SwiGLU (llama)."""
@@ -246,11 +219,10 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.family == 'llama':
             return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        approximate = 'tanh' if self.family == 'gpt2' else 'none'
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=approximate)))
-
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate='tanh' if self.family == 'gpt2' else 'none')))
 
 class Block(nn.Module):
+    """One layer: attention and MLP, each a residual branch; pre-norm (GPT-2, Llama) or post-norm (BERT)."""
 
     def __init__(self, config, spec):
         super().__init__()
@@ -279,11 +251,10 @@ class GPT(nn.Module):
         fam, C = config.family, config.n_embd
         modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout),
                        h=nn.ModuleList([Block(config, self.layer_spec(i)) for i in range(config.n_layer)]))
-        if fam in ('gpt2', 'bert'):
+        if fam != 'llama':
             modules['wpe'] = nn.Embedding(config.block_size, C)
-        if fam == 'bert':
-            modules['wtt'] = nn.Embedding(config.type_vocab_size, C)
-            modules['ln_e'] = make_norm(config)   # embedding LayerNorm (post-LN model, no final norm)
+        if fam == 'bert':   # token types; an embedding LayerNorm (post-LN model, no final norm)
+            modules.update(wtt=nn.Embedding(config.type_vocab_size, C), ln_e=make_norm(config))
         else:
             modules['ln_f'] = make_norm(config)
         self.transformer = nn.ModuleDict(modules)
@@ -295,31 +266,22 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
             if config.tie_embeddings:
                 self.lm_head.weight = self.transformer.wte.weight
-        self._inv_freq = {}    # device -> RoPE inverse frequencies in float32 (not a buffer: .to(bf16) must not round it)
+        self._inv_freq = {}    # device -> RoPE inverse frequencies in float32 (not a buffer: .to(bf16) must not round)
         self.tokenizer = None  # the tokenizer that travels with the model (load and save handle it)
-        for name, module in self.named_modules():   # nanoGPT init; the attention cores keep their own
-            if '.core' not in name:
-                self._init_weights(module)
+        for name, m in self.named_modules():   # nanoGPT init; the attention cores keep their own
+            if isinstance(m, (nn.Linear, nn.Embedding)) and '.core' not in name:
+                nn.init.normal_(m.weight, std=config.init_std if isinstance(m, nn.Linear) else config.emb_init_std)
+                if getattr(m, 'bias', None) is not None:
+                    nn.init.zeros_(m.bias)
         for pn, p in self.named_parameters():
             if pn.endswith(('o_proj.weight', 'c_proj.weight', 'down_proj.weight')):
-                torch.nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(p, std=config.init_std / math.sqrt(2 * config.n_layer))
         if config.lora:
             self._add_lora(**config.lora)
 
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.emb_init_std)
-
-    def get_num_params(self, non_embedding=True):
-        """Number of parameters (position embeddings excluded by default, as in nanoGPT)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - (self.transformer.wpe.weight.numel() if non_embedding and 'wpe' in self.transformer else 0)
-
-    # ---- attention cores and adapters ------------------------------------------
+    def get_num_params(self):
+        """Number of parameters, position embeddings excluded (as in nanoGPT)."""
+        return sum(p.numel() for n, p in self.named_parameters() if n != 'transformer.wpe.weight')
 
     def layer_spec(self, i):
         return AttnSpec.parse(self.config.layer_attn.get(i, self.config.attn))
@@ -332,17 +294,12 @@ class GPT(nn.Module):
         """New attention cores for `layers` (default: all) from `spec` (e.g. 'hedgehog:feature_dim=64'), keeping
         q/k/v/o and everything else; the config records it, so save/load rebuild the same model."""
         cfg, spec = self.config, str(AttnSpec.parse(spec))
-        layers = range(cfg.n_layer) if layers is None else [layers] if isinstance(layers, int) else list(layers)
-        bad = [i for i in layers if not 0 <= i < cfg.n_layer]
-        if bad:
-            raise ValueError(f"layer indices {bad} out of range: the model has {cfg.n_layer} layers")
-        ref = self.transformer.h[0].attn.q_proj.weight
+        layers = range(cfg.n_layer) if layers is None else list(layers)
+        layer_attn = replace(cfg, layer_attn={**cfg.layer_attn, **dict.fromkeys(layers, spec)}).layer_attn  # validated
         for i in layers:
-            self.transformer.h[i].attn.core = make_core(cfg, spec).to(ref.device)
-            cfg.layer_attn[i] = spec
-        if len(set(layers)) == cfg.n_layer:
-            cfg.attn = spec
-        cfg.layer_attn = {i: s for i, s in cfg.layer_attn.items() if s != cfg.attn}
+            self.transformer.h[i].attn.core = make_core(cfg, spec).to(self.transformer.wte.weight.device)
+        cfg.attn = spec if len(set(layers)) == cfg.n_layer else cfg.attn
+        cfg.layer_attn = {i: s for i, s in layer_attn.items() if s != cfg.attn}
         return self
 
     def _add_lora(self, rank, alpha, targets):
@@ -364,10 +321,9 @@ class GPT(nn.Module):
 
     @contextlib.contextmanager
     def capture_qkv(self, layers=None, teacher=False):
-        """with model.capture_qkv() as rec: model(x)  ->  rec[i] = (q, k, v, key_padding_mask): what layer i's
-        attention core received, (B, H, T, D) after RoPE (k, v GQA-repeated to H); the mask is None for causal
-        models. teacher=True makes every core compute exact softmax meanwhile, so that a converted model runs
-        as its teacher. The one q/k capture: attention transfer, DoF, fidelity and entropy metrics use it."""
+        """with model.capture_qkv() as rec: model(x) -> rec[i] = (q, k, v, key_padding_mask) that layer i's core got:
+        (B, H, T, D) after RoPE, k and v GQA-repeated, mask None if causal. teacher=True: every core computes exact
+        softmax meanwhile (a converted model runs as its teacher). The one q/k capture (transfer, DoF, metrics)."""
         cores, rec = self.attention_cores(), {}
         layers = range(len(cores)) if layers is None else layers
         hooks = [cores[i].register_forward_pre_hook(
@@ -384,8 +340,6 @@ class GPT(nn.Module):
             for c, f in zip(cores, flags):
                 c.teacher = f
 
-    # ---- forward ---------------------------------------------------------------
-
     def _rope(self, offset, T, device):
         if device not in self._inv_freq:
             cfg = self.config
@@ -394,8 +348,7 @@ class GPT(nn.Module):
         emb = torch.outer(pos, self._inv_freq[device]).repeat(1, 2)   # (T, hs)
         return emb.cos(), emb.sin()
 
-    def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None,
-                      attention_mask=None):
+    def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None, attention_mask=None):
         """Final hidden states (B, T, C) of tokens at positions offset..offset+T-1, and the new decode states.
         attention_mask (B, T) (BERT): 1 = real token, 0 = padding."""
         cfg, tr = self.config, self.transformer
@@ -403,8 +356,7 @@ class GPT(nn.Module):
         x = tr.wte(idx)                                             # (B, T, C)
         if 'wpe' in tr:
             if offset + T > cfg.block_size:
-                raise ValueError(f"sequence of length {offset + T} is longer than block_size={cfg.block_size} "
-                                 "(learned position embeddings)")
+                raise ValueError(f"{offset + T} positions exceed block_size={cfg.block_size} (learned positions)")
             x = x + tr.wpe(torch.arange(offset, offset + T, device=idx.device))
         if cfg.family == 'bert':
             x = tr.ln_e(x + tr.wtt(torch.zeros_like(idx) if token_type_ids is None else token_type_ids))
@@ -415,17 +367,15 @@ class GPT(nn.Module):
         for i, block in enumerate(tr.h):
             x, s = block(x, rope, None if states is None else states[i], return_state, kpm)
             new_states.append(s)
-        x = tr.ln_f(x) if 'ln_f' in tr else x
-        return x, (new_states if return_state else None)
+        return (tr.ln_f(x) if 'ln_f' in tr else x), (new_states if return_state else None)
 
     def forward(self, idx, targets=None):
         """Causal LM: logits (B, T, vocab) and, given targets (B, T) (-100 = ignored), the cross-entropy loss."""
         if self.config.family == 'bert':
             raise ValueError("family='bert' is bidirectional: use model.encode(...) or model.classify(...)")
         logits = self.lm_head(self.hidden_states(idx)[0])           # (B, T, vocab)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-100)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1))
+        return logits, loss   # F.cross_entropy's ignore_index is -100
 
     def encode(self, idx, attention_mask=None, token_type_ids=None):
         """BERT: last hidden states (B, T, C). attention_mask (B, T): 1 = real token, 0 = padding."""
@@ -438,13 +388,11 @@ class GPT(nn.Module):
         return torch.tanh(self.pooler(hidden[:, 0]))
 
     def classify(self, idx, attention_mask=None, token_type_ids=None, labels=None):
-        """BERT sequence classification: (logits (B, num_labels), loss or None).
-        num_labels == 1 is regression (MSE), otherwise cross-entropy."""
+        """BERT sequence classification: (logits (B, num_labels), loss or None); num_labels 1: regression (MSE)."""
         if self.config.family != 'bert' or self.config.num_labels <= 0:
             raise ValueError("classify() needs family='bert' and num_labels > 0 "
                              f"(got family={self.config.family!r}, num_labels={self.config.num_labels})")
-        pooled = self.pool(self.encode(idx, attention_mask, token_type_ids))
-        logits = self.classifier(self.transformer.drop(pooled))
+        logits = self.classifier(self.transformer.drop(self.pool(self.encode(idx, attention_mask, token_type_ids))))
         if labels is None:
             return logits, None
         if self.config.num_labels == 1:
@@ -452,55 +400,38 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.float(), labels.long())
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW over the trainable parameters. Weight decay pulls a weight towards zero, so it goes only where
-        zero is a neutral value: the 2-D weights of the nanoGPT-initialised projections and embeddings, and the
-        LoRA factors (zero = no change). Parameters initialised to the identity or another structured value --
-        everything inside the attention cores (feature maps, window factors) and the short convolution -- and
-        1-D gains and biases are not decayed."""
+        """AdamW over the trainable parameters. Weight decay pulls towards zero, so it goes only where zero is neutral:
+        2-D weights of the nanoGPT-initialised projections and embeddings, LoRA factors. Not decayed: 1-D gains and
+        biases, and what starts at the identity or another structured value (attention cores, short convolution)."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        structured = lambda n: '.core.' in n or '.k_conv.' in n
-        decay = [p for n, p in named if p.dim() >= 2 and not structured(n)]
-        nodecay = [p for n, p in named if p.dim() < 2 or structured(n)]
+        decayed = lambda n, p: p.dim() >= 2 and '.core.' not in n and '.k_conv.' not in n
+        decay = [p for n, p in named if decayed(n, p)]
+        nodecay = [p for n, p in named if not decayed(n, p)]
         return torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
                                   {'params': nodecay, 'weight_decay': 0.0}], lr=learning_rate, betas=betas,
                                  fused=device_type == 'cuda')
-
-    # ---- generation --------------------------------------------------------------
 
     def decode_state_nbytes(self, states):
         """Bytes held by the per-layer decoding states (KV caches or recurrent states)."""
         return sum(state_nbytes(s) for s in states)
 
     @torch.no_grad()
-    def prefill(self, idx):
-        """Run the prompt: (logits of the last position (B, vocab), per-layer states)."""
-        x, states = self.hidden_states(idx, return_state=True)
+    def prefill(self, idx, offset=0, states=None):
+        """Run idx (B, T) at positions offset.. after `states` (None: from the start): (last logits, states)."""
+        x, states = self.hidden_states(idx, offset=offset, states=states, return_state=True)
         return self.lm_head(x[:, -1]), states
 
-    @torch.no_grad()
     def decode_step(self, tok, offset, states):
         """Feed one token per row (B,) at absolute position `offset`: (logits (B, vocab), states)."""
-        x, states = self.hidden_states(tok.view(-1, 1), offset=offset, states=states, return_state=True)
-        return self.lm_head(x[:, -1]), states
-
-    @staticmethod
-    def _sample(logits, temperature, top_k):
-        if temperature == 0.0:
-            return logits.argmax(dim=-1)
-        logits = logits.float() / temperature
-        if top_k is not None:
-            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-            logits = logits.masked_fill(logits < v[:, [-1]], float('-inf'))
-        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+        return self.prefill(tok.view(-1, 1), offset, states)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_token_id=None, use_cache=True):
         """Append up to max_new_tokens tokens to idx (B, T): temperature 0 is greedy, otherwise sampling from
         softmax(logits / temperature) over the top_k tokens. A row that produced eos_token_id (an int or a list)
         keeps producing it; generation stops when every row has. use_cache: prefill, then one token at a time
-        with each layer's state -- a KV cache for softmax, a constant-size state for linear maps and the
-        window hybrid; use_cache=False: full forward passes (the reference; learned positions crop the context
-        to the last block_size tokens, as nanoGPT does)."""
+        with each layer's state (a KV cache for softmax, constant-size for linear maps and hybrids); otherwise
+        full forward passes (the reference; learned positions crop the context to block_size, as in nanoGPT)."""
         cfg, (B, T0) = self.config, idx.size()
         if cfg.family == 'bert':
             raise ValueError("generate() needs a causal family (gpt2 or llama), not 'bert'")
@@ -508,25 +439,31 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         learned_pos = 'wpe' in self.transformer
         if use_cache and learned_pos and T0 + max_new_tokens - 1 > cfg.block_size:
-            raise ValueError(f"cached generation of {max_new_tokens} tokens after a {T0}-token prompt needs "
-                             f"{T0 + max_new_tokens - 1} positions, more than block_size={cfg.block_size} "
-                             "(learned positions); generate fewer tokens or use use_cache=False (crops the context)")
+            raise ValueError(f"cached generation needs {T0 + max_new_tokens - 1} positions, more than block_size="
+                             f"{cfg.block_size} (learned positions); generate fewer or use use_cache=False (crops)")
         eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=idx.device).view(-1)
-        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        if use_cache and max_new_tokens > 0:
-            logits, states = self.prefill(idx)
-        for i in range(max_new_tokens):
+        finished, states = torch.zeros(B, dtype=torch.bool, device=idx.device), None
+        for _ in range(max_new_tokens):
             if not use_cache:
                 logits = self(idx[:, -cfg.block_size:] if learned_pos else idx)[0][:, -1, :]
-            nxt = self._sample(logits, temperature, top_k)          # (B,)
+            elif states is None:
+                logits, states = self.prefill(idx)
+            else:
+                logits, states = self.decode_step(idx[:, -1], idx.size(1) - 1, states)
+            if temperature == 0.0:
+                nxt = logits.argmax(dim=-1)                         # (B,)
+            else:
+                logits = logits.float() / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits = logits.masked_fill(logits < v[:, [-1]], float('-inf'))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
             if eos is not None:
                 nxt = torch.where(finished, eos[0], nxt)
                 finished |= torch.isin(nxt, eos)
             idx = torch.cat((idx, nxt[:, None]), dim=1)
             if eos is not None and bool(finished.all()):
                 break
-            if use_cache and i < max_new_tokens - 1:
-                logits, states = self.decode_step(nxt, idx.size(1) - 1, states)
         return idx
 
     @classmethod
@@ -539,36 +476,33 @@ class GPT(nn.Module):
 # load and save: one loader for every format, one checkpoint format
 
 def load(path, **overrides):
-    """(model, extra) from any model this project reads:
-      - our checkpoint (save() below; train.py's and convert.py's out_dir/ckpt.pt, or the folder holding it);
-        a converted model's checkpoint names its base model and holds only what the conversion added;
-      - a HuggingFace folder (config.json + safetensors / .bin, sharded or not) or hub name (needs internet);
-      - a llama.cpp .gguf file (dequantised to float32).
-    `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...).
-    New attention parameters are the only ones allowed to be absent; when `attn` changes the map of a
-    layer of our checkpoint, that layer's trained core is re-initialised (with a message); a change of
-    `impl` alone keeps it. model.tokenizer is the checkpoint's own tokenizer (or None). extra is what
-    save(**extra) stored (train.py: optimizer and RNG state) and 'base', the model a conversion started from."""
-    bad = sorted(set(overrides) - {f.name for f in fields(GPTConfig)})
+    """(model, extra) from our checkpoint (save(); out_dir/ckpt.pt or its folder; a converted model's names its base
+    and holds only what the conversion added), a HuggingFace folder (config.json + safetensors / .bin, sharded or
+    not) or hub name (needs internet), or a llama.cpp .gguf file (dequantised to float32).
+    `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...). Only new
+    attention parameters may be absent; when `attn` changes the map of a layer of our checkpoint, its trained
+    core is re-initialised (with a message); a change of `impl` alone keeps it. model.tokenizer is the
+    checkpoint's own (or None). extra: what save(**extra) stored, and 'base', the model a conversion began from."""
+    names = [f.name for f in fields(GPTConfig)]
+    bad = sorted(set(overrides) - set(names))
     if bad:
-        raise ValueError(f"unknown override(s) {bad}; GPTConfig fields are {[f.name for f in fields(GPTConfig)]}")
+        raise ValueError(f"unknown override(s) {bad}; GPTConfig fields are {names}")
     return _load(str(path), overrides)
-
 
 def _load(path, overrides, as_base=False):
     """load(); as_base: the base of a converted model, whose new tensors (_is_new) come from the conversion."""
     ckpt = os.path.join(path, 'ckpt.pt') if os.path.isdir(path) else path
-    if os.path.isfile(ckpt) and not path.endswith('.gguf'):
-        return _load_ours(ckpt, overrides, as_base)
     if path.endswith('.gguf'):
         import gguf
         reader = gguf.GGUFReader(path)
         model = _new_model(gguf_config_to_kwargs(reader, path), overrides, path)
-        _load_hf_state(model, _read_gguf_tensors(reader, model, path), path)
+        _load_hf_state(model, _read_gguf_tensors(reader, path), path, gguf_key_map(model.config), ' in the GGUF file')
         try:
             model.tokenizer = tokenizer_lib.HFTokenizer.from_gguf(reader)
         except tokenizer_lib.TokenizerError as e:   # e.g. SentencePiece vocabularies
             warnings.warn(f"{path}: {e}; model.tokenizer is None (give one, e.g. --tokenizer <HF folder>)")
+    elif os.path.isfile(ckpt):
+        return _load_ours(ckpt, overrides, as_base)
     else:
         folder = _hf_folder(path)
         with open(os.path.join(folder, 'config.json')) as f:
@@ -578,105 +512,81 @@ def _load(path, overrides, as_base=False):
             model.tokenizer = tokenizer_lib.HFTokenizer.from_folder(folder)
     return model, {}
 
-
 def _new_model(kwargs, overrides, source):
     if overrides.get('family', kwargs['family']) != kwargs['family']:
         raise ValueError(f"family={overrides['family']!r} does not match {source} ({kwargs['family']!r})")
     return GPT(GPTConfig(**{**kwargs, **overrides}))
 
-
 def _is_new(name):
     """Tensors a conversion adds: attention cores (feature maps, window factors) and LoRA factors."""
     return '.core.' in name or name.endswith(('.lora_A', '.lora_B'))
 
-
 def _own_tensors(model):
-    sd = model.state_dict()
-    if model.config.family != 'bert' and model.config.tie_embeddings:
-        sd.pop('lm_head.weight')    # the same tensor as transformer.wte.weight
-    return sd
-
+    """The state dict less a tied lm_head.weight (the same tensor as transformer.wte.weight)."""
+    tied = model.config.family != 'bert' and model.config.tie_embeddings
+    return {k: v for k, v in model.state_dict().items() if not (tied and k == 'lm_head.weight')}
 
 def save(path, model, base=None, keep=(), **extra):
-    """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path` atomically.
-    base: the model this one was converted from (a path or hub name): then only the new tensors (attention
-    cores, LoRA, and names starting with a prefix in `keep`, e.g. a new classifier) are written, and load()
-    rebuilds the rest from the base."""
+    """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path` atomically. base: the
+    model this one was converted from (a path or hub name): then only the new tensors (attention cores, LoRA, and
+    names starting with a prefix in `keep`, e.g. a new classifier) are written; load() rebuilds the rest."""
     sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model).items()
           if base is None or _is_new(k) or any(k.startswith(p) for p in keep)}
     tok = model.tokenizer.to_spec() if model.tokenizer is not None else None
     obj = dict(config=asdict(model.config), model=sd, tokenizer=tok, base=base and str(base), extra=extra)
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.' + os.path.basename(path), suffix='.tmp')
-    os.close(fd)
+    tmp = f'{path}.{os.getpid()}.tmp'
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)   # never a half-written checkpoint
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 def _load_ours(path, overrides, as_base):
     obj = torch.load(path, map_location='cpu', weights_only=True)
     if not isinstance(obj, dict) or not {'config', 'model'} <= set(obj):
         raise ValueError(f"{path} is not a checkpoint written by model.save")
-    saved = GPTConfig(**obj['config'])
+    saved, base = GPTConfig(**obj['config']), obj.get('base')
     want = {**obj['config'], **overrides}
     if 'attn' in overrides and 'layer_attn' not in overrides:
         want['layer_attn'] = {}   # a new attention for the whole model
-    if obj.get('base'):   # a converted model: the base first, with the saved attention and adapters
-        model, _ = _load(obj['base'], {k: v for k, v in want.items() if k != 'family'}, as_base=True)
+    if base:   # a converted model: the base first, with the saved attention and adapters
+        model, _ = _load(base, {k: v for k, v in want.items() if k != 'family'}, as_base=True)
     else:
         model = GPT(GPTConfig(**want))
-    changed = [i for i in range(saved.n_layer)
-               if replace(_spec_of(saved, i), impl='chunked') != replace(model.layer_spec(i), impl='chunked')]
+    spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)), impl='chunked')  # impl aside
+    changed = [i for i in range(saved.n_layer) if spec(saved, i) != spec(model.config, i)]
     if changed and not as_base:
         print(f"{path}: attention of layers {changed} changed to {model.config.attn}: their cores are re-initialised")
-    tensors = {k: v for k, v in obj['model'].items() if not _in_layers(k, changed)}
-    own = _own_tensors(model)
-    need = {k for k in own if not _in_layers(k, changed) and (_is_new(k) if obj.get('base') else
-                                                              not (as_base and _is_new(k)))}
-    _copy_strict(own, tensors, need, f"checkpoint {path}")
+    kept = lambda k: not ('.core.' in k and any(k.startswith(f'transformer.h.{i}.') for i in changed))
+    tensors, own = {k: v for k, v in obj['model'].items() if kept(k)}, _own_tensors(model)
+    need = {k for k in own if kept(k) and (_is_new(k) if base else not (as_base and _is_new(k)))}
+    _copy_checked(f"cannot load checkpoint {path}", own, tensors, {k: (k, lambda t: t) for k in own}, need)
     if obj.get('tokenizer'):
         model.tokenizer = tokenizer_lib.load_tokenizer(obj['tokenizer'])
-    return model, dict(obj.get('extra') or {}, base=obj.get('base'))
-
-
-def _spec_of(config, i):
-    return AttnSpec.parse(config.layer_attn.get(i, config.attn))
-
-
-def _in_layers(name, layers):
-    return '.core.' in name and any(name.startswith(f'transformer.h.{i}.') for i in layers)
-
-
-def _copy_strict(own, tensors, need, what):
-    """Copy tensors into the model's state `own`; one ValueError naming every missing (in `need`, not given),
-    unexpected and mis-shaped tensor."""
-    missing = sorted(need - set(tensors))
-    unexpected = sorted(set(tensors) - set(own))
-    shapes = [f"{k}: file {tuple(t.shape)} vs model {tuple(own[k].shape)}" for k, t in tensors.items()
-              if k in own and own[k].shape != t.shape]
-    _raise_key_errors(f"cannot load {what}", missing, unexpected, shapes)
-    with torch.no_grad():
-        for k, t in tensors.items():
-            own[k].copy_(t)
-
+    return model, dict(obj.get('extra') or {}, base=base)
 
 def _fmt(names, limit=20):
     names = sorted(names)
     return ', '.join(names[:limit]) + (f', ... ({len(names) - limit} more)' if len(names) > limit else '')
 
-
-def _raise_key_errors(header, missing, unexpected, shape_problems, where=''):
-    """One ValueError naming every missing, unexpected and mis-shaped tensor (nothing when all match)."""
-    msg = ([f"missing keys{where}: {_fmt(missing)}"] if missing else []) + \
-          ([f"unexpected keys{where}: {_fmt(unexpected)}"] if unexpected else []) + \
-          (["shape mismatches: " + '; '.join(shape_problems[:20])] if shape_problems else [])
+def _copy_checked(header, own, tensors, kmap, need, skip=(), where=''):
+    """Copy `tensors` (keyed by file names) into the model's state `own` via kmap {our name: (file name, transform)},
+    or raise one ValueError naming every missing (of `need`), unexpected (beyond `skip`) and mis-shaped one."""
+    mapped = {k: kmap[k][1](tensors[kmap[k][0]]) for k in own if kmap[k][0] in tensors}
+    problems = sorted({f"{kmap[k][0]}: file {tuple(tensors[kmap[k][0]].shape)} vs model {tuple(own[k].shape)}"
+                       for k, t in mapped.items() if t.shape != own[k].shape})
+    bad = (('missing', {kmap[k][0] for k in need} - set(tensors)),
+           ('unexpected', set(tensors) - {kmap[k][0] for k in own} - set(skip)))
+    msg = [f"{what} keys{where}: {_fmt(names)}" for what, names in bad if names]
+    msg += ["shape mismatches: " + '; '.join(problems[:20])] if problems else []
     if msg:
         raise ValueError('\n  '.join([header + ':'] + msg))
+    with torch.no_grad():
+        for k, t in mapped.items():
+            own[k].copy_(t)
 
 
 # -----------------------------------------------------------------------------
@@ -696,15 +606,12 @@ def hf_config_to_kwargs(hf):
         bias = get('attention_bias', False)
         if get('hidden_act', 'silu') != 'silu' or bias != get('mlp_bias', False) or \
                 get('head_dim') not in (None, hf['hidden_size'] // hf['num_attention_heads']):
-            raise ValueError("Llama variants other than silu, one bias flag and head_dim = hidden/heads "
-                             "are not supported")
+            raise ValueError("Llama variants other than silu, one bias flag, head_dim = hidden/heads are unsupported")
         rope = get('rope_parameters') or {}   # transformers >= 5
         theta = rope.get('rope_theta', get('rope_theta', 10000.0))
         scaling = {k: v for k, v in (get('rope_scaling') or rope).items() if k != 'rope_theta'}
-        if scaling.get('rope_type', scaling.get('type', 'default')) == 'default':
-            scaling = None
-        else:
-            rope_inv_freq(2, theta, scaling)   # fail early on an unsupported rope_type
+        rope_inv_freq(2, theta, scaling)   # fail early on an unsupported rope_type
+        scaling = None if scaling.get('rope_type', scaling.get('type', 'default')) == 'default' else scaling
         return dict(family='llama', vocab_size=hf['vocab_size'], block_size=get('max_position_embeddings', 2048),
                     n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
                     n_kv_head=get('num_key_value_heads'), n_embd=hf['hidden_size'],
@@ -713,15 +620,13 @@ def hf_config_to_kwargs(hf):
     if mt == 'bert':
         if get('hidden_act', 'gelu') != 'gelu' or get('position_embedding_type', 'absolute') != 'absolute':
             raise ValueError("BERT variants other than exact gelu with absolute positions are not supported")
-        num_labels = 0
-        if any(a.endswith('ForSequenceClassification') for a in get('architectures') or []):
-            num_labels = len(hf['id2label']) if get('id2label') else get('num_labels', 2)
+        clf = any(a.endswith('ForSequenceClassification') for a in get('architectures') or [])
+        num_labels = (len(hf['id2label']) if get('id2label') else get('num_labels', 2)) if clf else 0
         return dict(family='bert', vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
                     n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'], n_embd=hf['hidden_size'],
                     intermediate_size=hf['intermediate_size'], norm_eps=get('layer_norm_eps', 1e-12),
                     type_vocab_size=get('type_vocab_size', 2), num_labels=num_labels, tie_embeddings=False)
     raise ValueError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
-
 
 def _hf_folder(name_or_dir):
     """A local HF folder, or the hub snapshot of a name (config, tokenizer files and weights)."""
@@ -738,11 +643,9 @@ def _hf_folder(name_or_dir):
         if not any(f.endswith('.safetensors') for f in os.listdir(folder)):
             folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.bin'])
     except Exception as e:  # offline, unknown repo, gated model, ...
-        raise RuntimeError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: "
-                           f"{e}). Downloading needs internet access (and a token for gated models); otherwise "
-                           "pass a local folder with config.json and *.safetensors.") from e
+        raise RuntimeError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: {e}); "
+                           "that needs internet access (and a token for gated models); or give a local folder") from e
     return folder
-
 
 def _read_hf_tensors(folder):
     """Every tensor of a HF checkpoint folder: model.safetensors(.index.json) or pytorch_model.bin(.index.json)."""
@@ -763,115 +666,83 @@ def _read_hf_tensors(folder):
         return {k: v for p in files for k, v in read(p).items()}
     raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {folder}")
 
-
 def _hf_key_map(config):
     """{our parameter name: (HF key, transform)} for everything loaded from a HF checkpoint (HF keys after
     dropping GPT-2's 'transformer.' and BERT's 'bert.' prefixes)."""
-    C, fam = config.n_embd, config.family
-    t, ident = (lambda w: w.t()), (lambda w: w)                    # GPT-2's Conv1D is (in, out)
-    crop = lambda w: w[:config.block_size]
-    names = {'gpt2': dict(attn={'o_proj': ('attn.c_proj', t)}, ln=('ln_1', 'ln_2'),
-                          mlp={'c_fc': ('mlp.c_fc', t), 'c_proj': ('mlp.c_proj', t)},
-                          top={'wte': 'wte', 'wpe': 'wpe', 'ln_f': 'ln_f'}, layer='h.{}.'),
-             'llama': dict(attn={p: (f'self_attn.{p}', ident) for p in ('q_proj', 'k_proj', 'v_proj', 'o_proj')},
-                           ln=('input_layernorm', 'post_attention_layernorm'),
-                           mlp={p: (f'mlp.{p}', ident) for p in ('gate_proj', 'up_proj', 'down_proj')},
-                           top={'wte': 'model.embed_tokens', 'ln_f': 'model.norm'}, layer='model.layers.{}.'),
-             'bert': dict(attn={'q_proj': ('attention.self.query', ident), 'k_proj': ('attention.self.key', ident),
-                                'v_proj': ('attention.self.value', ident),
-                                'o_proj': ('attention.output.dense', ident)},
-                          ln=('attention.output.LayerNorm', 'output.LayerNorm'),
-                          mlp={'c_fc': ('intermediate.dense', ident), 'c_proj': ('output.dense', ident)},
-                          top={'wte': 'embeddings.word_embeddings', 'wpe': 'embeddings.position_embeddings',
-                               'wtt': 'embeddings.token_type_embeddings', 'ln_e': 'embeddings.LayerNorm'},
-                          layer='encoder.layer.{}.')}[fam]
-    m = {f'transformer.{ours}.{p}': (f'{hf}.{p}', crop if ours == 'wpe' else ident)
-         for ours, hf in names['top'].items() for p in ('weight', 'bias')}
+    C, fam, ident = config.n_embd, config.family, (lambda w: w)
+    top, layer_prefix, layer = {
+        'gpt2': (dict(wte='wte', wpe='wpe', ln_f='ln_f'), 'h.{}.',
+                 {'attn.o_proj': 'attn.c_proj', **{n: n for n in ('ln_1', 'ln_2', 'mlp.c_fc', 'mlp.c_proj')}}),
+        'llama': (dict(wte='model.embed_tokens', ln_f='model.norm'), 'model.layers.{}.',
+                  {'ln_1': 'input_layernorm', 'ln_2': 'post_attention_layernorm',
+                   **{f'attn.{p}': f'self_attn.{p}' for p in ('q_proj', 'k_proj', 'v_proj', 'o_proj')},
+                   **{f'mlp.{p}': f'mlp.{p}' for p in ('gate_proj', 'up_proj', 'down_proj')}}),
+        'bert': (dict(wte='embeddings.word_embeddings', wpe='embeddings.position_embeddings',
+                      wtt='embeddings.token_type_embeddings', ln_e='embeddings.LayerNorm'), 'encoder.layer.{}.',
+                 {'ln_1': 'attention.output.LayerNorm', 'ln_2': 'output.LayerNorm',
+                  'attn.q_proj': 'attention.self.query', 'attn.k_proj': 'attention.self.key',
+                  'attn.v_proj': 'attention.self.value', 'attn.o_proj': 'attention.output.dense',
+                  'mlp.c_fc': 'intermediate.dense', 'mlp.c_proj': 'output.dense'})}[fam]
+    names = {f'transformer.{o}': (h, (lambda w: w[:config.block_size]) if o == 'wpe' else ident)
+             for o, h in top.items()}
+    names.update(lm_head=('lm_head', ident), pooler=('pooler.dense', ident), classifier=('classifier', ident))
+    conv1d = (lambda w: w.t()) if fam == 'gpt2' else ident   # GPT-2's Conv1D weights are (in, out); 1-D stay
     for i in range(config.n_layer):
-        h, o = names['layer'].format(i), f'transformer.h.{i}.'
-        for p in ('weight', 'bias'):
-            if fam == 'gpt2':   # one fused c_attn (in, 3C) -> q, k, v
-                for j, name in enumerate(('q_proj', 'k_proj', 'v_proj')):
-                    m[o + f'attn.{name}.{p}'] = (h + f'attn.c_attn.{p}',
-                                                 lambda w, j=j: (w.t() if w.dim() == 2 else w)[j * C:(j + 1) * C])
-            for ours, (hf, fn) in names['attn'].items():
-                m[o + f'attn.{ours}.{p}'] = (h + f'{hf}.{p}', fn if p == 'weight' else ident)
-            for ours, (hf, fn) in names['mlp'].items():
-                m[o + f'mlp.{ours}.{p}'] = (h + f'{hf}.{p}', fn if p == 'weight' else ident)
-            for ours, hf in zip(('ln_1', 'ln_2'), names['ln']):
-                m[o + f'{ours}.{p}'] = (h + f'{hf}.{p}', ident)
-    m['lm_head.weight'] = ('lm_head.weight', ident)
-    for p in ('weight', 'bias'):
-        m[f'pooler.{p}'], m[f'classifier.{p}'] = (f'pooler.dense.{p}', ident), (f'classifier.{p}', ident)
-    return m
+        o, h = f'transformer.h.{i}.', layer_prefix.format(i)
+        names.update({o + ours: (h + hf, conv1d) for ours, hf in layer.items()})
+        if fam == 'gpt2':   # one fused c_attn (in, 3C) -> q, k, v
+            names.update({o + f'attn.{p}': (h + 'attn.c_attn', lambda w, j=j: w.t()[j * C:(j + 1) * C])
+                          for j, p in enumerate(('q_proj', 'k_proj', 'v_proj'))})
+    return {f'{ours}.{p}': (f'{hf}.{p}', fn) for ours, (hf, fn) in names.items() for p in ('weight', 'bias')}
 
-
-# HF tensors this model does not use: buffers (skipped silently) and heads (skipped with a warning)
-_HF_BUFFERS = ('.attn.bias', '.attn.masked_bias', 'rotary_emb.inv_freq', 'embeddings.position_ids')
-
-
-def _normalise_hf_key(family, k):
-    if family == 'gpt2':
-        k = k.removeprefix('transformer.')
-    if family == 'bert':
-        k = k.removeprefix('bert.').replace('LayerNorm.gamma', 'LayerNorm.weight').replace('LayerNorm.beta',
-                                                                                            'LayerNorm.bias')
-    return k
-
-
-def _load_hf_state(model, tensors, source):
-    """Copy a HF state dict into model; errors name the checkpoint's keys. Allowed to be absent: the
-    attention cores and adapters (new), a classifier requested on a checkpoint without one, and a BERT
-    pooler (checkpoints saved without it; classify() then trains a new one -- with a warning)."""
-    cfg = model.config
-    tensors = {_normalise_hf_key(cfg.family, k): v for k, v in tensors.items()}
-    kmap, own = _hf_key_map(cfg), _own_tensors(model)
-    expected = {k for k in own if not _is_new(k)}
+def _load_hf_state(model, tensors, source, kmap=None, where=' in checkpoint'):
+    """Copy a HF state dict (or a GGUF file's tensors, given their kmap) into model. May be absent: the new cores
+    and adapters, a classifier requested on a checkpoint without one, a BERT pooler (classify() then trains a new
+    one; with a warning). Skipped: HF buffers, and other heads (with a warning)."""
+    cfg, kmap = model.config, kmap or _hf_key_map(model.config)
+    prefix = {'gpt2': 'transformer.', 'bert': 'bert.'}.get(cfg.family, '')
+    tensors = {k.removeprefix(prefix).replace('LayerNorm.gamma', 'LayerNorm.weight')
+               .replace('LayerNorm.beta', 'LayerNorm.bias'): v for k, v in tensors.items()}
+    own = {k: t for k, t in _own_tensors(model).items() if not _is_new(k)}
     absent_ok = {'classifier.weight', 'classifier.bias'} if 'classifier.weight' not in tensors else set()
     if cfg.family == 'bert' and not any(k.startswith('pooler.') for k in tensors):
         absent_ok |= {'pooler.weight', 'pooler.bias'}
         warnings.warn(f"{source}: the checkpoint has no pooler (pooler.dense.*); encode() is unaffected, the "
                       "pooler of classify() is newly initialised and trains with the classifier")
-    missing = sorted(kmap[k][0] for k in expected - absent_ok if kmap[k][0] not in tensors)
-    used = {kmap[k][0] for k in expected}
-    ignored = [k for k in set(tensors) - used if k.startswith(('cls.', 'classifier.', 'lm_head.'))]
-    unexpected = sorted(set(tensors) - used - set(ignored) - {k for k in tensors if k.endswith(_HF_BUFFERS)})
-    mapped = {k: kmap[k][1](tensors[kmap[k][0]]) for k in expected if kmap[k][0] in tensors}
-    problems = [f"{kmap[k][0]} -> {k}: checkpoint {tuple(tensors[kmap[k][0]].shape)} gives {tuple(t.shape)}, "
-                f"model expects {tuple(own[k].shape)}" for k, t in mapped.items() if t.shape != own[k].shape]
-    _raise_key_errors(f"cannot load {source!r} into a {cfg.family} model", missing, unexpected, problems,
-                      where=' in checkpoint')
+    used = {kmap[k][0] for k in own}
+    ignored = {k for k in set(tensors) - used if k.startswith(('cls.', 'classifier.', 'lm_head.'))}
     if ignored:
         warnings.warn(f"ignored {len(ignored)} checkpoint tensors this model does not use: {_fmt(ignored, 5)}")
-    with torch.no_grad():
-        for k, t in mapped.items():
-            own[k].copy_(t)
+    buffers = {k for k in tensors if k.endswith(('.attn.bias', '.attn.masked_bias', 'rotary_emb.inv_freq',
+                                                 'embeddings.position_ids'))}
+    _copy_checked(f"cannot load {source!r} into a {cfg.family} model", own, tensors, kmap, set(own) - absent_ok,
+                  ignored | buffers, where)
 
 
 # -----------------------------------------------------------------------------
 # GGUF files (llama.cpp): the config from the metadata, the tensors dequantised by gguf's own reader
 
-GGUF_TENSOR_TYPES = ('F32', 'F16', 'BF16', 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1',
-                     'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K')
-# GGUF tensor names -> HF Llama names: blk.N.<x>.weight -> model.layers.N.<y>.weight, and the three outside layers
-_GGUF_LAYER_NAMES = {'attn_norm': 'input_layernorm', 'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj',
-                     'attn_v': 'self_attn.v_proj', 'attn_output': 'self_attn.o_proj',
-                     'ffn_norm': 'post_attention_layernorm', 'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj',
-                     'ffn_down': 'mlp.down_proj'}
-_GGUF_TOP_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
+GGUF_TENSOR_TYPES = 'F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K'.split()
+# llama.cpp's names for HF Llama's: model.layers.N.<x> -> blk.N.<y>, and the three outside the layers
+_GGUF_LAYER_NAMES = {'input_layernorm': 'attn_norm', 'self_attn.q_proj': 'attn_q', 'self_attn.k_proj': 'attn_k',
+                     'self_attn.v_proj': 'attn_v', 'self_attn.o_proj': 'attn_output', 'mlp.up_proj': 'ffn_up',
+                     'post_attention_layernorm': 'ffn_norm', 'mlp.gate_proj': 'ffn_gate', 'mlp.down_proj': 'ffn_down'}
+_GGUF_TOP_NAMES = {'model.embed_tokens': 'token_embd', 'model.norm': 'output_norm', 'lm_head': 'output'}
 
-
-def gguf_to_hf_name(name, reverse=False):
-    """'blk.3.attn_q.weight' <-> 'model.layers.3.self_attn.q_proj.weight'; unknown names come back unchanged."""
-    layer, top, prefix = _GGUF_LAYER_NAMES, _GGUF_TOP_NAMES, ('blk.', 'model.layers.')
-    if reverse:
-        layer, top, prefix = {v: k for k, v in layer.items()}, {v: k for k, v in top.items()}, prefix[::-1]
-    head, _, suffix = name.rpartition('.')
-    if head.startswith(prefix[0]):
-        i, _, rest = head[len(prefix[0]):].partition('.')
-        return f"{prefix[1]}{i}.{layer[rest]}.{suffix}" if rest in layer else name
-    return f"{top[head]}.{suffix}" if head in top else name
-
+def gguf_key_map(config):
+    """_hf_key_map in llama.cpp's names ('blk.3.attn_q.weight' for 'model.layers.3.self_attn.q_proj.weight'),
+    q and k rows unpermuted (unpermute_qk)."""
+    m = {}
+    for ours, (hf, fn) in _hf_key_map(config).items():
+        head, _, suffix = hf.rpartition('.')
+        if head.startswith('model.layers.'):
+            i, _, rest = head.removeprefix('model.layers.').partition('.')
+            head = f'blk.{i}.{_GGUF_LAYER_NAMES[rest]}'
+        else:
+            head = _GGUF_TOP_NAMES.get(head, head)
+        n = {'attn_q': config.n_head, 'attn_k': config.n_kv_head}.get(head.rpartition('.')[2])
+        m[ours] = (f'{head}.{suffix}', (lambda w, n=n: unpermute_qk(w, n)) if n else fn)
+    return m
 
 def gguf_config_to_kwargs(reader, path):
     """GGUF metadata (a gguf.GGUFReader) -> GPTConfig keyword arguments. Architecture 'llama' only."""
@@ -896,10 +767,8 @@ def gguf_config_to_kwargs(reader, path):
     if 'rope_freqs.weight' in names or scaling not in ('none', 'linear'):
         what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)' if scaling == 'none' else repr(scaling)
         raise ValueError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")
-    tokens = reader.fields.get('tokenizer.ggml.tokens')
-    vocab = get('llama.vocab_size', None if tokens is None else len(tokens.data))
-    if vocab is None:
-        raise ValueError(f"{path}: the GGUF metadata has neither llama.vocab_size nor tokenizer.ggml.tokens")
+    tokens = reader.fields.get('tokenizer.ggml.tokens')   # the vocabulary size when llama.vocab_size is absent
+    vocab = get('llama.vocab_size') if tokens is None else get('llama.vocab_size', len(tokens.data))
     return dict(family='llama', vocab_size=vocab, block_size=get('llama.context_length', 2048),
                 n_layer=get('llama.block_count'), n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                 intermediate_size=get('llama.feed_forward_length'), bias='blk.0.attn_q.bias' in names,
@@ -908,38 +777,23 @@ def gguf_config_to_kwargs(reader, path):
                 rope_scaling={'rope_type': 'linear', 'factor': float(get('llama.rope.scaling.factor'))}
                 if scaling == 'linear' else None)
 
-
 def unpermute_qk(w, n_heads):
-    """Undo llama.cpp's q/k row order. convert_hf_to_gguf.py's `permute(w, n_head, n_head_kv)` reshapes the
-    rows to (heads, 2, head_dim/2) and swaps the last two axes, so that each head's two RoPE halves interleave
-    (GGML's rope rotates adjacent pairs); this goes back to HF's rotate_half layout (halves in blocks).
-    w: (n_heads * head_dim, ...) with n_heads = n_head for q, n_kv_head for k."""
-    hd = w.shape[0] // n_heads
-    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    """Undo llama.cpp's q/k row order: convert_hf_to_gguf.py's `permute(w, n_head, n_head_kv)` reshapes the rows to
+    (heads, 2, head_dim/2) and swaps the last two axes, interleaving each head's two RoPE halves (GGML's rope rotates
+    adjacent pairs); back to HF's rotate_half layout (halves in blocks). n_heads: n_head for q, n_kv_head for k."""
+    if w.shape[0] % (2 * n_heads):   # a mis-shaped tensor: as it is, for load to report
+        return w
+    return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)   # (heads, hd/2, 2, ...)
 
-
-def _read_gguf_tensors(reader, model, path):
-    """{HF name: float32 tensor} of a GGUF file, checked against `model` first: every name and shape (reported
-    with GGUF names) and every tensor type."""
-    import gguf
+def _read_gguf_tensors(reader, path):
+    """{GGUF name: float32 tensor in torch's (out, in) layout} of a GGUF file; every tensor type checked."""
     import numpy as np
-    cfg, kmap = model.config, _hf_key_map(model.config)
-    expected = {gguf_to_hf_name(kmap[k][0], reverse=True): v.shape for k, v in _own_tensors(model).items()
-                if not _is_new(k)}
-    found = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
-    problems = [f"{n}: file {found[n]} vs model {tuple(s)}" for n, s in expected.items()
-                if n in found and found[n] != tuple(s)]
-    _raise_key_errors(f"cannot load {path!r} into a llama model", set(expected) - set(found),
-                      set(found) - set(expected), problems, where=' in the GGUF file')
-    supported = [getattr(gguf.GGMLQuantizationType, t) for t in GGUF_TENSOR_TYPES]
+    from gguf.quants import dequantize
     out = {}
     for t in reader.tensors:
-        if t.tensor_type not in supported:
+        if t.tensor_type.name not in GGUF_TENSOR_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported types: "
                              f"{', '.join(GGUF_TENSOR_TYPES)}")
-        w = np.require(gguf.quants.dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
-        w = torch.from_numpy(w.reshape(found[t.name]))           # (out, in): torch Linear layout
-        if t.name.split('.')[-2] in ('attn_q', 'attn_k'):
-            w = unpermute_qk(w, cfg.n_head if '.attn_q.' in t.name else cfg.n_kv_head)
-        out[gguf_to_hf_name(t.name)] = w
+        w = np.require(dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
+        out[t.name] = torch.from_numpy(w.reshape(tuple(reversed(t.shape.tolist()))))
     return out
