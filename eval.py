@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ import model as M
 import tokenizer
 import train
 
-REPORTS = ['ppl', 'glue', 'rouge', 'generate', 'fidelity', 'bench', 'lln']
+REPORTS = ['ppl', 'glue', 'rouge', 'generate', 'fidelity', 'bench', 'lln', 'lm_eval', 'passkey']
 BENCH_SWEEPS = {'attention': '512,1024,2048,4096,8192', 'prefill': '256,512,1024,2048,4096',
                 'decode': '512,1024,2048,4096,8192,16384,32768'}      # --bench parts and their default lengths
 LLN_GRID = '0.25,0.5,1,1.5,2,2.5,3,3.5,4,5,6'                             # LLN Fig. 2's temperatures sigma^2
@@ -267,6 +268,146 @@ def report_generate(args):
         rows.append(row)
     return {'ckpt': args.ckpt, 'tokenizer': tok.name, 'max_new_tokens': args.max_new_tokens,
             'models': [n for n, _ in runs], 'samples': rows}
+
+
+# -----------------------------------------------------------------------------------------------------------
+# lm-evaluation-harness (0.4.x, optional: imported only by --lm_eval) and the passkey task
+
+def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
+    """`model` as an lm-eval `LM`: loglikelihood (right-padded batches; a causal model's padding comes after its
+    tokens), loglikelihood_rolling (train.perplexity's windows and stride), generate_until (greedy, the model's
+    own decode state). A document, or an empty context, starts after the end-of-text token (lm-eval's prefix
+    token), so the rolling log-likelihood scores every token of a document; eval.py --ppl scores a text's
+    tokens after its first (nothing is prepended there)."""
+    from lm_eval.api.model import LM
+    eos = tok.eos_id
+
+    def split(ctx, cont):   # lm-eval's convention: trailing spaces of the context belong to the continuation
+        n = len(ctx) - len(ctx.rstrip())
+        ctx, cont = ctx[:len(ctx) - n], ctx[len(ctx) - n:] + cont
+        whole, head = tok.encode(ctx + cont), tok.encode(ctx)
+        return (head, whole[len(head):]) if ctx else ([eos], whole)
+
+    class Adapter(LM):
+        @torch.no_grad()
+        def loglikelihood(self, requests):
+            pairs = [split(*r.args) for r in requests]
+            out = []
+            for i in range(0, len(pairs), batch_size):   # right-padded: a causal model's padding is after its tokens
+                group = [(c + t)[-(context + 1):] for c, t in pairs[i:i + batch_size]]
+                x = torch.zeros(len(group), max(len(g) for g in group) - 1, dtype=torch.long)
+                for r, g in enumerate(group):
+                    x[r, :len(g) - 1] = torch.tensor(g[:-1])
+                logp = model(x.to(device))[0].float().log_softmax(-1).cpu()
+                for r, (g, (_, t)) in enumerate(zip(group, pairs[i:i + batch_size])):
+                    lp, y = logp[r, len(g) - 1 - len(t):len(g) - 1], torch.tensor(t)
+                    out.append((float(lp.gather(-1, y[:, None]).sum()), bool((lp.argmax(-1) == y).all())))
+            return out
+
+        def loglikelihood_rolling(self, requests):
+            out = []
+            for r in requests:
+                res = train.perplexity(model, [eos] + tok.encode(r.args[0]), context, stride, device, batch_size)
+                out.append(-res['nll'] * res['tokens_scored'])
+            return out
+
+        def generate_until(self, requests):
+            out = []
+            for r in requests:
+                ctx, kw = r.args
+                until, n = kw.get('until') or [tok.decode([eos])], kw.get('max_gen_toks', 256)
+                idx = torch.tensor([tok.encode(ctx) or [eos]], device=device)
+                text = tok.decode(model.generate(idx, n, temperature=0.0, eos_token_id=eos)[0, idx.shape[1]:].tolist())
+                out.append(min((text.split(s)[0] for s in until), key=len))
+            return out
+    return Adapter()
+
+
+PASSKEY_FILLER = 'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. '
+PASSKEY_YAML = """task: passkey_retrieval
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {path}}}}}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{input}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs: {{until: ["\\n", "."], max_gen_toks: 8, do_sample: false}}
+filter_list:
+  - name: number
+    filter: [{{function: regex, regex_pattern: "(\\\\d+)"}}, {{function: take_first}}]
+metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}]
+"""
+
+
+def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
+    """Passkey retrieval (Mohtashami & Jaggi 2023) as a local lm-eval task in `folder`: filler text of about
+    `length` tokens of `tok`, the key sentence at `depth` % of it, then the question; exact match on the number."""
+    rng, rows = random.Random(seed), []
+    intro = 'There is important info hidden inside a lot of irrelevant text. Find it and memorize it. '
+    question = 'What is the pass key? The pass key is'
+    per_filler = len(tok.encode(PASSKEY_FILLER))
+    for length, depth, i in itertools.product(lengths, depths, range(samples)):
+        key = rng.randint(10000, 99999)
+        needle = f'The pass key is {key}. Remember it. {key} is the pass key. '
+        n = max((length - len(tok.encode(intro + needle + question))) // per_filler, 0)
+        before = round(n * depth / 100)
+        text = intro + PASSKEY_FILLER * before + needle + PASSKEY_FILLER * (n - before) + question
+        rows.append(dict(input=text, target=str(key), length=length, depth=depth, tokens=len(tok.encode(text))))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.abspath(os.path.join(folder, 'passkey.jsonl'))
+    with open(path, 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in rows)
+    with open(os.path.join(folder, 'passkey.yaml'), 'w') as f:
+        f.write(PASSKEY_YAML.format(path=json.dumps(path)))
+    return rows
+
+def run_lm_eval(args, model, tok, tasks, include=None, log_samples=False):
+    """lm_eval.simple_evaluate on our model; --context caps loglikelihood's inputs (0: block_size)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    context = args.context or model.config.block_size
+    lm = lm_eval_adapter(model, tok, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(include_path=include or None),
+                                   limit=args.limit or None, log_samples=log_samples)
+
+
+def report_lm_eval(args):
+    """--lm_eval TASKS (comma-separated; --lm_eval_include DIR adds local task yamls) through lm-eval 0.4."""
+    from lm_eval.utils import make_table
+    model, _, tok = load(args, 'lm_eval')
+    res = run_lm_eval(args, model, tok, args.lm_eval.split(','), args.lm_eval_include)
+    log(make_table(res))
+    return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'results': res['results']}
+
+
+def report_passkey(args):
+    """Passkey retrieval through lm-eval: --sweep lengths (default 512,1024,2048) x depths 0-100 %, --limit
+    samples per cell (default 6); the accuracy table and a length x depth heatmap."""
+    model, _, tok = load(args, 'passkey')
+    lengths, t0 = parse_list(args.sweep or '512,1024,2048', 'sweep'), time.time()
+    folder, n = os.path.join(args.out_dir, 'passkey_task'), args.limit or 6
+    passkey_task(folder, tok, lengths, samples=n)
+    args.limit = 0   # the task holds exactly the samples asked for
+    res = run_lm_eval(args, model, tok, ['passkey_retrieval'], folder, log_samples=True)
+    cells = {}
+    for smp in res['samples']['passkey_retrieval']:
+        cells.setdefault((smp['doc']['length'], smp['doc']['depth']), []).append(float(smp['exact_match']))
+    depths = sorted({d for _, d in cells})
+    acc = [[statistics.mean(cells[(L, d)]) for d in depths] for L in lengths]
+    rows = ['| tokens | ' + ' | '.join(f'depth {d} %' for d in depths) + ' | mean |', '|---' * (len(depths) + 2) + '|']
+    rows += [f'| {L} | ' + ' | '.join(f'{a:.2f}' for a in r) + f' | {statistics.mean(r):.2f} |' for L, r in zip(lengths, acc)]
+    log('\n'.join(rows) + f'\n{describe_attention(model)}: {n} samples per cell, {time.time() - t0:.0f} s')
+    with contextlib.suppress(ImportError):
+        import matplotlib.pyplot as plt
+        plt.switch_backend('Agg')
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        im = ax.imshow(acc, vmin=0, vmax=1, cmap='RdYlGn', aspect='auto')
+        ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)), yticklabels=lengths,
+               xlabel='depth of the key (%)', ylabel='tokens', title=f'passkey: {describe_attention(model)}'[:60])
+        fig.colorbar(im)
+        _save_figure(fig, args.out_dir, 'passkey.png')
+    return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'lengths': lengths, 'depths': depths,
+            'accuracy': acc, 'samples_per_cell': n, 'seconds': round(time.time() - t0, 1)}
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -709,6 +850,9 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     fidelity: bool = False        # attention fidelity: KL to softmax, entropy, monotonicity, with figures
     bench: str = ''               # comma-separated, of attention, prefill, decode, all
     lln: bool = False             # LLN Fig. 2: entropy and spectral gap vs temperature on Gaussian q, k (no --ckpt)
+    lm_eval: str = ''             # lm-evaluation-harness tasks, comma-separated (pip install lm-eval)
+    passkey: bool = False         # passkey retrieval by length (--sweep) and depth, through lm-eval
+    lm_eval_include: str = ''     # a folder of local lm-eval task yamls (dataset_path: json)
     ckpt: str = ''                # checkpoint from train.py/convert.py, HF folder, .gguf file or hub name
     tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the model's own
     data: str = ''                # input data (see each report)
