@@ -44,8 +44,9 @@ CALIB_BATCHES = 4               # training batches for calibration and DoF
 class ConvertConfig:
     init_from: str = 'gpt2'       # the teacher: our checkpoint, a HF folder or hub name, or a .gguf file
     tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the teacher's own
-    attn: str = 'hedgehog'        # the student's attention: hedgehog, lolcats:window=64, dof:feature_dim=64, ...;
-                                  # softmax = the control run: no conversion, stage 2 on the teacher itself
+    attn: str = 'hedgehog'        # the student's attention: hedgehog, lolcats:window=64:sinks=4, dof:feature_dim=64,
+                                  # softmax:window=64 (no linear part); softmax = the control run: stage 2 on the
+                                  # teacher itself
     layers: str = 'all'           # layers to convert: all | 0,2,5 | 0-3 | -1
     task: Literal['lm', 'glue'] = 'lm'   # lm: next-token loss, perplexity; glue: a BERT classifier, its metric
     data: str = '../shared/data/tinyshakespeare/input.txt'   # text (as train.py reads it), or the GLUE folder
@@ -72,8 +73,6 @@ class ConvertConfig:
 
     def __post_init__(self):
         self.spec = A.AttnSpec.parse(self.attn)
-        if self.spec.name == 'softmax' and self.spec != A.AttnSpec():
-            raise ValueError("--attn softmax (the control run) takes no window, diag_block or options")
         for name in ('stage1_iters', 'stage2_iters', 'lora_rank', 'eval_batches', 'dof_budget'):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0")
@@ -464,12 +463,12 @@ def run(cfg):
         summary['unigram'] = unigram_loss(task.splits['train'], task.splits['val'], c.vocab_size)
     print("== teacher: " + ' | '.join(f"{k} {v:.4g}" for k, v in (summary['teacher'] or {}).items()
                                       if isinstance(v, float)), flush=True)
-    if cfg.spec.name != 'softmax':   # softmax: the control run, stage 2 on the teacher itself
+    if cfg.spec != A.AttnSpec():   # plain softmax: the control run, stage 2 on the teacher itself
         qk = teacher_qk(model, calib, layers, rt)
         summary.update(swap(model, cfg, layers, qk))
         model.to(rt.device)
         calibrate(model, layers, qk)
-        summary['feature_dims'] = {l: model.attention_cores()[l].fmap.feature_dim for l in layers}
+        summary['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap, 'feature_dim', 0) for l in layers}
     stages = summary['stages']
     for name, step in (('swap', None), ('stage1', lambda: transfer(model, task, cfg, rt, layers)),
                        ('stage2', lambda: finetune(model, module, task, cfg, rt))):
