@@ -8,9 +8,8 @@
     tok.to_spec(), tok.fingerprint # JSON that rebuilds it offline (checkpoints store it), and its sha256
     tok = resolve(model, source)   # for a model: source if given, else its own, else by vocab_size; must fit
 
-Training from scratch uses 'bytes': one command, one model everywhere ('gpt2' needs tiktoken's downloaded
-files; without them it is an error, never bytes). `HFTokenizer` is HF's `tokenizers`: a tokenizer.json, a BERT
-vocab.txt, or a GGUF file's byte-level BPE split by llama.cpp's regex for its `tokenizer.ggml.pre`.
+Training from scratch uses 'bytes': one model everywhere ('gpt2' needs tiktoken's downloaded files, else an error).
+`HFTokenizer` wraps HF `tokenizers`: a tokenizer.json, a BERT vocab.txt, or a GGUF file's byte-level BPE.
 """
 import base64
 import hashlib
@@ -43,10 +42,8 @@ class Tokenizer:
         if na + nb > room:       # the shorter text (a on a tie) keeps up to half of the room, the other the rest
             short = min(na, nb, room // 2)
             na, nb = (room - short, short) if na > nb else (short, room - short)
-        ids, types = [cls] + ia[:na] + [sep], [0] * (na + 2)
-        if b is not None:
-            ids, types = ids + ib[:nb] + [sep], types + [1] * (nb + 1)
-        return ids, types
+        ids = [cls] + ia[:na] + [sep] + (ib[:nb] + [sep] if b is not None else [])
+        return ids, [0] * (na + 2) + [1] * (len(ids) - na - 2)
 
     def to_spec(self):
         return self.spec
@@ -124,9 +121,8 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_folder(cls, folder):
-        """tokenizer.json, else a BERT vocab.txt (lower-cased unless tokenizer_config.json says otherwise).
-        eos_id: tokenizer_config.json's eos_token, else GPT-2's '<|endoftext|>' if the vocabulary has it; the
-        name: 'hf:' and its tokenizer_class, else the model type (WordPiece, BPE, ...)."""
+        """tokenizer.json, else a BERT vocab.txt (lower-cased unless tokenizer_config.json says otherwise). eos_id:
+        tokenizer_config.json's eos_token, else '<|endoftext|>' if any; name: 'hf:' + tokenizer_class or model type."""
         path, config = os.path.join(folder, '{}'), {}
         if os.path.isfile(path.format('tokenizer_config.json')):
             with open(path.format('tokenizer_config.json')) as f:

@@ -8,7 +8,7 @@ Train a small GPT whose attention is softmax or a linear feature map (attention.
     python train.py --compare softmax,hedgehog,elu,exp:t=2 --ar_vocab 128 --max_iters 2000
     torchrun --nproc_per_node=2 train.py ...         # DDP (NCCL on GPUs, gloo on CPU)
 
-In reading order: `parse_config` (the dataclass -> argparse helper of the three scripts) and TrainConfig; data:
+In reading order: `parse_config` (dataclass -> argparse, for convert.py too) and TrainConfig; data:
 associative recall (Hedgehog App. B.1, zoology's MQAR), text and `perplexity`, GLUE, attention entropy (Hedgehog
 Fig. 4); `fit`, the one training loop (convert.py's too); `train`: config -> data -> model -> fit -> metrics.
 
@@ -40,7 +40,6 @@ from torch.nn import functional as F
 import attention
 import tokenizer as tokenizer_lib
 import model as M
-from model import GPT, GPTConfig
 
 NONFINITE_EXIT = 3             # exit status of a run stopped by a non-finite loss
 BETAS = (0.9, 0.99)            # AdamW's betas (nanoGPT's beta2 0.95 -> 0.99: small models, short runs)
@@ -75,11 +74,10 @@ def _comments(cls):
 
 
 def parse_config(cls, argv=None, doc=None):
-    """argv -> (a `cls` instance, the set of field names given explicitly), for any dataclass whose fields
-    have defaults (TrainConfig; convert.py's and eval.py's configs too). Each field is a flag, `--name value`
-    or `--name=value`; a bool is `--name` / `--no_name`; a Literal[...] field takes only its values; the help
-    is the field's comment, `doc` heads --help. A bad value, an unknown flag or a ValueError from the class's
-    __post_init__ (where checks across fields go) is a one-line error and exit status 2."""
+    """argv -> (a `cls` instance, the names of the fields given explicitly), for a dataclass with defaults
+    (TrainConfig, convert.py's ConvertConfig). `--name value` or `--name=value`; a bool is `--name` / `--no_name`;
+    a Literal[...] takes only its values; help: the field's comment, `doc` heads --help. A bad value, an unknown
+    flag or a ValueError from __post_init__ (checks across fields) is a one-line error and exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     helps, types = _comments(cls), get_type_hints(cls)
     fmt = type('Help', (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter), {})
@@ -151,52 +149,41 @@ class TrainConfig:
 
 def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label_repeats=False):
     """n sequences (x, y), LongTensors (n, seq_len). Keys are tokens 0..vocab/2-1, values vocab/2..vocab-1;
-    every sequence has its own random key->value map (a random permutation). x = k1 v1 k2 v2 ... (keys drawn
-    uniformly, with repeats) filling the first seq_len - n_queries positions, then n_queries query keys,
-    each one that appeared with its value in the context (if seq_len - n_queries is odd, the context ends with
-    a lone key). y = -100 except at the queries: their values; label_repeats=True also labels every context
-    key that repeats an earlier one with its value (a dense training signal)."""
+    every sequence has its own random key->value map (a permutation). x = k1 v1 k2 v2 ... (keys uniform, with
+    repeats) fills the first seq_len - n_queries positions (an odd length ends on a lone key), then n_queries
+    keys of complete pairs as queries. y = -100 except at the queries: their values; label_repeats=True also
+    labels every context key that repeats an earlier one with its value (a dense training signal)."""
     if vocab < 4 or vocab % 2:
         raise ValueError(f"vocab must be even and >= 4, got {vocab}")
-    ctx_len = seq_len - n_queries
-    n_pairs = ctx_len // 2
+    ctx_len, nk = seq_len - n_queries, vocab // 2
+    n_pairs, g = ctx_len // 2, torch.Generator().manual_seed(int(seed))
     if n_queries < 1 or n_pairs < 1:
         raise ValueError(f"seq_len={seq_len} leaves no room for key-value pairs and {n_queries} queries")
-    g = torch.Generator().manual_seed(int(seed))
-    nk = vocab // 2
     keys = torch.randint(0, nk, (n, (ctx_len + 1) // 2), generator=g)
     kv_map = torch.argsort(torch.rand(n, nk, generator=g), dim=1) + nk          # (n, nk): key -> value
     vals = torch.gather(kv_map, 1, keys)
     ctx = torch.stack([keys, vals], dim=2).reshape(n, -1)[:, :ctx_len]
-    q_pos = torch.randint(0, n_pairs, (n, n_queries), generator=g)              # a complete pair's key
-    queries = torch.gather(keys, 1, q_pos)
+    queries = torch.gather(keys, 1, torch.randint(0, n_pairs, (n, n_queries), generator=g))   # complete pairs' keys
     x = torch.cat([ctx, queries], dim=1)
     y = torch.full_like(x, -100)
     y[:, ctx_len:] = torch.gather(kv_map, 1, queries)
     if label_repeats:
-        seen = torch.zeros(n, nk, dtype=torch.bool)
+        seen, rows = torch.zeros(n, nk, dtype=torch.bool), torch.arange(n)
         for i in range(n_pairs):   # the key at pair i was seen (with its value) in an earlier pair
-            k = keys[:, i]
-            rep = seen[torch.arange(n), k]
+            rep = seen[rows, keys[:, i]]
             y[rep, 2 * i] = vals[rep, i]
-            seen[torch.arange(n), k] = True
+            seen[rows, keys[:, i]] = True
     return x, y
-
-
-# -----------------------------------------------------------------------------
 
 
 # -----------------------------------------------------------------------------
 # text: tokenizer, data, perplexity
 
 def get_tokenizer(name='', model=None, verbose=True):
-    """A run's tokenizer: `name` (tokenizer.load_tokenizer: 'bytes', 'gpt2', a HF folder or .gguf file) if
-    given, else `model`'s own (tokenizer.resolve), else bytes -- from scratch, one command, one model on every
-    machine. Checked to fit `model`."""
-    if model is not None:
-        tok = tokenizer_lib.resolve(model, name or None)
-    else:
-        tok = tokenizer_lib.load_tokenizer(name or 'bytes')
+    """A run's tokenizer: `name` ('bytes', 'gpt2', a HF folder or .gguf file) if given, else `model`'s own
+    (tokenizer.resolve: checked to fit it), else bytes -- from scratch, one command, one model on every machine."""
+    tok = tokenizer_lib.resolve(model, name or None) if model is not None else \
+        tokenizer_lib.load_tokenizer(name or 'bytes')
     if verbose:
         print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}")
     return tok
@@ -225,8 +212,8 @@ def load_text(path_or_name, split='train'):
 
 
 def text_splits(cfg, tok):
-    """(train_ids, val_ids) int64 arrays of cfg.data: a local file or folder's last cfg.val_fraction is the
-    validation text; a `datasets` name has its own validation split."""
+    """(train_ids, val_ids) of cfg.data: a local file or folder's last cfg.val_fraction held out, or a `datasets`
+    name's own validation split."""
     if not os.path.exists(cfg.data):
         return tuple(tok.encode_array(load_text(cfg.data, split)) for split in ('train', 'validation'))
     ids = tok.encode_array(load_text(cfg.data))
@@ -247,15 +234,13 @@ def ppl_windows(n_tokens, context, stride):
     ids[begin:end], targets ids[begin+1:end+1], of which only the last n_new are scored (each once)."""
     if stride < 1 or context < 1 or stride > context:
         raise ValueError(f'need 1 <= stride <= context (got context={context}, stride={stride})')
-    m = n_tokens - 1
-    out, prev = [], 0
-    for b in range(0, max(m, 0), stride):
+    m, out, prev = n_tokens - 1, [], 0
+    for b in range(0, m, stride):   # stride <= context: each window ends past the one before
         e = min(b + context, m)
-        if e > prev:
-            out.append((b, e, e - prev))
-        prev = e
+        out.append((b, e, e - prev))
         if e == m:
             break
+        prev = e
     return out
 
 
@@ -274,7 +259,7 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
     runs = [list(g) for _, g in itertools.groupby(windows, key=lambda w: w[1] - w[0])]   # windows of one length
     for group in (run[i:i + batch_size] for run in runs for i in range(0, len(run), batch_size)):
         x = torch.stack([ids[b:e] for b, e, _ in group])
-        y = torch.stack([ids[b + 1:e + 1] for b, e, _ in group]).clone()
+        y = torch.stack([ids[b + 1:e + 1] for b, e, _ in group])
         for r, (_, _, n) in enumerate(group):
             y[r, :x.size(1) - n] = -100
         _, loss = model(x.to(device), targets=y.to(device))
@@ -336,11 +321,10 @@ def load_glue(task, path, split='train'):
     if split not in GLUE_FILES or not path:
         raise ValueError(f"unknown split {split!r}; use train or validation" if path else "--data is empty: give "
                          "a folder of GLUE TSV/CSV/JSONL files")
-    files = [path] if os.path.isfile(path) else [fn for stem in GLUE_FILES[split] for ext in ('tsv', 'csv', 'jsonl')
-                                                 for fn in glob.glob(os.path.join(path, f"{stem}.{ext}"))]
-    if not files:
+    fn = path if os.path.isfile(path) else next((fn for stem in GLUE_FILES[split] for ext in ('tsv', 'csv', 'jsonl')
+                                                 for fn in glob.glob(os.path.join(path, f"{stem}.{ext}"))), None)
+    if fn is None:
         raise ValueError(f"no {split} file in {path!r}: expected {'|'.join(GLUE_FILES[split])}.tsv|csv|jsonl")
-    fn = files[0]
     with open(fn, encoding='utf-8', newline='') as f:
         if fn.endswith('.jsonl'):
             rows = [json.loads(line) for line in f if line.strip()]
@@ -361,9 +345,7 @@ def _ranks(x):
 
 def pearson(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    a, b = a - a.mean(), b - b.mean()
-    den = math.sqrt(float((a * a).sum() * (b * b).sum()))
-    return float((a * b).sum() / den) if den > 0 else 0.0
+    return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else 0.0   # 0 for a constant
 
 
 def matthews_corrcoef(labels, preds):
@@ -393,24 +375,22 @@ def glue_metric(task, preds, labels):
 
 
 class GlueEncoder:
-    """(text_a, text_b) -> (token ids, token types) with the model's tokenizer (tokenizer.py encode_pair): a
-    BERT tokenizer gives [CLS] a [SEP] b [SEP], the others [eot] a [eot] b [eot]; token type 1 for b. `tok`:
-    a tokenizer, or a get_tokenizer name ('scratch' and '' are bytes)."""
+    """(text_a, text_b) -> (ids, token types) by the tokenizer's encode_pair: [CLS] a [SEP] b [SEP] (BERT) or
+    [eot] a [eot] b [eot]. `tok`: a tokenizer, or a get_tokenizer name ('scratch' and '' are bytes)."""
 
     def __init__(self, tok, seq_len, verbose=True):
         self.tok = get_tokenizer('' if tok == 'scratch' else tok, verbose=False) if isinstance(tok, str) else tok
-        self.seq_len, self.name, self.vocab_size = seq_len, self.tok.name, self.tok.vocab_size
+        self.seq_len, self.name = seq_len, self.tok.name
         if verbose:
-            print(f"glue tokenizer: {self.name}, vocab {self.vocab_size}")
+            print(f"glue tokenizer: {self.name}, vocab {self.tok.vocab_size}")
 
     def encode(self, a, b=None):
         return self.tok.encode_pair(a, b, self.seq_len)
 
 
-def collate_glue(encoded, labels, pad_id=0):
-    """[(ids, token_types)], labels -> (idx, attention_mask, token_type_ids, labels) tensors, right-padded."""
-    idx = torch.full((len(encoded), max(len(ids) for ids, _ in encoded)), pad_id, dtype=torch.long)
-    tt, mask = torch.zeros_like(idx), torch.zeros_like(idx)
+def collate_glue(encoded, labels):
+    """[(ids, token_types)], labels -> (idx, attention_mask, token_type_ids, labels) tensors, 0-padded right."""
+    idx, tt, mask = torch.zeros(3, len(encoded), max(len(ids) for ids, _ in encoded), dtype=torch.long)
     for i, (ids, types) in enumerate(encoded):
         idx[i, :len(ids)], tt[i, :len(types)], mask[i, :len(ids)] = torch.tensor(ids), torch.tensor(types), 1
     return idx, mask, tt, torch.tensor(labels, dtype=torch.float32 if isinstance(labels[0], float) else torch.long)
@@ -499,20 +479,18 @@ def _start(params_or_optimizer, cfg, rt, resume):
         torch.optim.AdamW(list(params_or_optimizer), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
     scaler = torch.amp.GradScaler('cuda', enabled=rt.dtype == 'float16')
     gen = torch.Generator().manual_seed(cfg.seed)     # the global batch stream, the same on every process
-    if not resume:
-        torch.manual_seed(cfg.seed + rt.rank)         # per-process seeds (dropout and the like)
-        return opt, scaler, gen, 0
-    opt.load_state_dict(resume['optimizer'])
-    if resume['scaler']:
-        scaler.load_state_dict(resume['scaler'])
-    gen.set_state(resume['data_rng'])
-    step = int(resume['iter_num'])
-    if not rt.master:
-        torch.manual_seed(cfg.seed + rt.rank + 7919 * step)
-        return opt, scaler, gen, step
-    torch.set_rng_state(resume['torch_rng'])
-    if resume['cuda_rng'] is not None and rt.device.startswith('cuda'):
-        torch.cuda.set_rng_state(resume['cuda_rng'], rt.device)
+    step = int(resume['iter_num']) if resume else 0
+    if resume:
+        opt.load_state_dict(resume['optimizer'])
+        if resume['scaler']:
+            scaler.load_state_dict(resume['scaler'])
+        gen.set_state(resume['data_rng'])
+    if resume and rt.master:
+        torch.set_rng_state(resume['torch_rng'])
+        if resume['cuda_rng'] is not None and rt.device.startswith('cuda'):
+            torch.cuda.set_rng_state(resume['cuda_rng'], rt.device)
+    else:
+        torch.manual_seed(cfg.seed + rt.rank + 7919 * step)   # per-process seeds (dropout and the like)
     return opt, scaler, gen, step
 
 
@@ -559,30 +537,26 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
         log_name='log.jsonl'):
     """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of convert.py's stages.
 
-    module: on rt.device; its DDP wrapper is made here. rt: setup(cfg) (call it first to know the device).
-    params_or_optimizer: an optimizer (lr set each step), or the parameters to train with AdamW(weight_decay=
-      cfg.weight_decay): stage 1 passes the feature maps' parameters, stage 2 the LoRA or all weights.
-    loss_fn(net, batch) -> scalar loss. Call `net` (module or its DDP wrapper), not module, so that DDP
-      syncs the gradients: stage 1 runs net(x) under model.capture_qkv and returns the distillation loss of
-      the captured q/k; stage 2 returns the LM loss net(x, y)[1].
-    next_batch(gen) -> one micro-batch of CPU tensors (the first holds the tokens the progress line counts),
-      drawn with the torch.Generator `gen` only (seeded with cfg.seed, saved in checkpoints): every process
-      draws every micro-batch and takes its share, so the data stream is one for any number of processes.
-    cfg: reads max_iters, grad_accum, lr, warmup_iters, weight_decay, eval_interval, out_dir, seed.
-    evaluate() -> {name: float}, on the master every cfg.eval_interval steps and at the end, in eval mode.
-    save(state) -> path: after each evaluation, write the model and `state` (optimizer, scaler, step, data
-      stream, RNG) atomically; that state given back as `resume` continues exactly (the weights are yours to
-      load). None: no checkpoints. log_name: the out_dir file of the per-step {'iter', 'loss', 'lr'} rows.
-    The master prints progress lines (step, loss, lr, tokens/s, ETA). A non-finite loss, gradient norm or
-    evaluation raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
+    module: on rt.device (rt = setup(cfg): make it first to know the device); its DDP wrapper is made here.
+    params_or_optimizer: an optimizer (lr set each step), or the parameters for AdamW(weight_decay=cfg.weight_decay).
+    loss_fn(net, batch) -> scalar loss; it calls `net` (module or its DDP wrapper), so that DDP syncs gradients.
+    next_batch(gen) -> one micro-batch of CPU tensors (the first holds the tokens counted), drawn with the
+      torch.Generator `gen` only (seeded with cfg.seed, checkpointed): every process draws every micro-batch
+      and takes its share, so the data stream is one for any number of processes.
+    cfg: reads max_iters, grad_accum, lr, warmup_iters, min_lr_ratio, weight_decay, eval_interval, out_dir, seed.
+    evaluate() -> {name: float}: on the master, in eval mode, every cfg.eval_interval steps and at the end.
+    save(state) -> path (None: no checkpoints): after each evaluation, write the model and `state` (optimizer,
+      scaler, step, data stream, RNG) atomically; given back as `resume` it continues exactly (the weights are
+      yours to load). log_name: the out_dir file of per-step {'iter', 'loss', 'lr'} rows. The master prints
+      progress lines; a non-finite loss, gradient norm or evaluation raises NonFiniteLoss.
+    -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
     rt = rt or setup(cfg)
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
     net = nn.parallel.DistributedDataParallel(module) if rt.ddp else module
     os.makedirs(cfg.out_dir, exist_ok=True)
-    log = _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else None
     t0, cpu0, clock, est, saved = time.time(), time.process_time(), [time.time(), step], {}, resume is not None
-    try:
+    with _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else contextlib.nullcontext() as log:
         while step < cfg.max_iters:
             lr = get_lr(cfg, step)
             for g in opt.param_groups:
@@ -603,13 +577,16 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
                 _progress(step, loss, lr, tokens, clock, cfg)
             if rt.master and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
                 log.flush()
-                est = _evaluate(module, evaluate, step, saved, cfg, rt)
-                cuda_rng = torch.cuda.get_rng_state(rt.device) if rt.device.startswith('cuda') else None
-                saved = save(dict(optimizer=opt.state_dict(), scaler=scaler.state_dict(), iter_num=step, cuda_rng=
-                                  cuda_rng, data_rng=gen.get_state(), torch_rng=torch.get_rng_state())) if save else saved
-    finally:
-        if log:
-            log.close()
+                module.eval()
+                est = evaluate() if evaluate else {}
+                module.train()
+                if not all(math.isfinite(v) for v in est.values()):
+                    raise NonFiniteLoss('evaluation loss', est, step, saved, cfg, rt)
+                print(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
+                if save:   # the state that `resume` continues from exactly (_start)
+                    cuda_rng = torch.cuda.get_rng_state(rt.device) if rt.device.startswith('cuda') else None
+                    saved = save(dict(optimizer=opt.state_dict(), scaler=scaler.state_dict(), iter_num=step,
+                                      cuda_rng=cuda_rng, data_rng=gen.get_state(), torch_rng=torch.get_rng_state()))
     return {'iters': step, 'train_time_s': round(time.time() - t0, 2),
             'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
 
@@ -621,16 +598,6 @@ def _progress(step, loss, lr, tokens, clock, cfg):
         print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens / max(dt, 1e-9) / 1e3:.1f}k "
               f"tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}", flush=True)
         clock[:] = time.time(), step
-
-
-def _evaluate(module, evaluate, step, saved, cfg, rt):
-    module.eval()
-    est = evaluate() if evaluate else {}
-    module.train()
-    if not all(math.isfinite(v) for v in est.values()):
-        raise NonFiniteLoss('evaluation loss', est, step, saved, cfg, rt)
-    print(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
-    return est
 
 
 # -----------------------------------------------------------------------------
@@ -712,7 +679,6 @@ def estimate_loss(module, task, rt):
     return out
 
 
-@torch.no_grad()
 def final_metrics(module, model, task, rt):
     """On the whole val split: text perplexity (windows of seq_len, stride seq_len); GLUE dev loss and the
     task's metrics; AR test loss, accuracy and the mean attention entropy of its first 256 sequences."""
@@ -738,17 +704,16 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
     """A GPT from scratch: cfg's family (glue: bert unless --family is given), size, init and attention."""
     family = 'bert' if cfg.task == 'glue' and 'family' not in explicit else cfg.family
     init_std, emb_init_std = INIT_STDS[cfg.init]
-    return GPT(GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
-                         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, init_std=init_std,
-                         emb_init_std=emb_init_std, num_labels=num_labels if family == 'bert' else 0,
-                         tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv,
-                         attn=cfg.attn))
+    return M.GPT(M.GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
+                             n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, init_std=init_std,
+                             emb_init_std=emb_init_std, num_labels=num_labels if family == 'bert' else 0,
+                             tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv, attn=cfg.attn))
 
 
 def load_init(path, resume=False, **overrides):
-    """The one place train.py loads a model: -> (model, training state). resume: one of our checkpoints with
-    the state it holds; else a HF folder or hub name, a .gguf file or our checkpoint, with GPTConfig overrides."""
-    return M.load(path) if resume else M.load(path, **overrides)
+    """The one place train.py loads a model (model.load) -> (model, training state). resume: our checkpoint
+    and the state it holds (no overrides); else a HF folder or hub name, a .gguf file or our checkpoint."""
+    return M.load(path, **({} if resume else overrides))
 
 
 def _model_and_task(cfg, explicit, verbose):
@@ -846,12 +811,9 @@ def main(argv=None):
     cfg, explicit = parse_config(TrainConfig, argv, __doc__)
     try:
         return compare(cfg, explicit) if cfg.compare else train(cfg, explicit)
-    except NonFiniteLoss as e:
+    except (NonFiniteLoss, ValueError) as e:  # ValueError: bad data paths, GLUE files, options, tokenizers
         print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(NONFINITE_EXIT) from None
-    except ValueError as e:  # bad data paths, GLUE files, options, tokenizers: one clear line
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(NONFINITE_EXIT if isinstance(e, NonFiniteLoss) else 2) from None
 
 
 if __name__ == '__main__':
