@@ -479,7 +479,6 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
         out = ((q @ k.transpose(-2, -1)).tril() @ v1 + q @ before).reshape(B, H, n * C, -1)[:, :, :T]
     return out[..., :-1], out[..., -1], (Sz[..., :-1], Sz[..., -1])  # the last column: the normaliser
 
-
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chunk_size=64,
                      initial_state=None, return_state=False):
     """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020): phi_q, phi_k (B, H, T, F), v
@@ -796,7 +795,7 @@ def spectral_gap(w):
     lambda_1 = 1). Meant for bidirectional matrices: a causal one's eigenvalues are its diagonal."""
     return 1.0 - torch.linalg.eigvals(w.double()).abs().sort(dim=-1, descending=True).values[..., 1]
 
-def _ranks(x):
+def ranks(x):
     """Ranks along the last dimension, ties sharing their mean rank, float64."""
     x = x.double().contiguous()
     s = x.sort(-1).values
@@ -809,7 +808,7 @@ def monotonicity(w, q, k, causal=True):
     s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
     w, T, rhos = w.double(), w.shape[-1], []
     for i in range(2 if causal else 0, w.shape[-2]):
-        rs, rw = (_ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
+        rs, rw = (ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
         rs, rw = rs - rs.mean(-1, keepdim=True), rw - rw.mean(-1, keepdim=True)
         rhos.append((rs * rw).sum(-1) / ((rs.square().sum(-1) * rw.square().sum(-1)).sqrt() + 1e-30))
     vis = causal_mask(T, T, w.device).expand_as(w) if causal else torch.ones_like(w, dtype=torch.bool)

@@ -39,7 +39,6 @@ LORA_LR, FULL_LR = 1e-3, 3e-4   # stage-2 learning rates (LoRA, full finetune)
 FIDELITY_BATCHES = 2            # attention fidelity is quadratic in T: the first 2 held-out batches
 CALIB_BATCHES = 4               # training batches for calibration and DoF
 
-
 @dataclass
 class ConvertConfig:
     init_from: str = 'gpt2'       # the teacher: our checkpoint, a HF folder or hub name, or a .gguf file
@@ -85,7 +84,6 @@ class ConvertConfig:
             raise ValueError("--dof_clip needs --dof_budget")
         self.weights = loss_weights(self.loss, self.spec)
 
-
 def loss_weights(spec, attn):
     """'ce+0.1*mse' -> {'ce': 1.0, 'mse': 0.1}; auto: mse for lolcats and the hybrids (LoLCATs), else ce (Hedgehog).
     (Never l2 by default: the raw kernel L2 is dominated by the largest exp(q.k/sqrt d) pairs.)"""
@@ -100,7 +98,6 @@ def loss_weights(spec, attn):
     if not any(w.values()) or min(w.values()) < 0:
         raise ValueError(f"--loss {spec!r}: the weights must be >= 0 and not all zero")
     return w
-
 
 def parse_layers(spec, n_layer):
     """'all' -> every layer; '0,2,5', '0-3' or '-1' (negative indices count from the end)."""
@@ -139,14 +136,12 @@ def exp_gram(x: torch.Tensor) -> torch.Tensor:
     logits = x @ x.T / math.sqrt(x.shape[-1])      # (J, J)
     return torch.exp(logits.clamp(max=700.0)) / x.shape[0]  # float64 overflows at exp(709)
 
-
 def degrees_of_freedom(gram: torch.Tensor, lam: float) -> float:
     """N_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) over the eigenvalues s_i of a symmetric G."""
     if lam <= 0:
         raise ValueError(f'lambda must be > 0, got {lam}')
     s = torch.linalg.eigvalsh(gram.double()).clamp(min=0)  # negative round-off -> 0
     return float((s / (s + lam)).sum())
-
 
 def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256,
               generator: torch.Generator | None = None) -> list[float]:
@@ -155,7 +150,6 @@ def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256
     pool = torch.cat([q, k], 1)  # (H, 2M, D)
     return [degrees_of_freedom(exp_gram(x[torch.randperm(len(x), generator=generator)[:n_samples]]), lam)
             for x in pool]
-
 
 def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1) -> list[int]:
     """Per-layer feature dimensions M_s = C dof_s / mean(dof) (Algorithm 1, last line; C = `budget`).
@@ -192,7 +186,6 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
         dims[i] += 1
     return dims if clip is None else [min(d, int(clip)) for d in dims]
 
-
 def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_GPT2, n_samples: int = 256,
                         clip: int | None = None, unit: int = 1, seed: int = 0, verbose: bool = True):
     """DoF Algorithm 1 (+ Clip): layer_qk {layer: (q, k)}, q, k (H, M, D) teacher queries/keys after RoPE.
@@ -212,7 +205,6 @@ def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_G
     if verbose:
         print(format_dof_table(table, budget, lam, n_samples, clip))
     return dict(zip(layers, dims)), table
-
 
 def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
     """The per-layer DoF table (markdown) with its settings, the mean cost and a note where DoF nears J."""
@@ -243,14 +235,12 @@ def _teacher(core, q, k, v, mask):
     return A.softmax_attention(q.float(), k.float(), eye, core.causal, attn_mask=m), \
         A.softmax_attention(q, k, v, core.causal, attn_mask=m)
 
-
 def _row_mean(x, mask):
     """Mean of per-row values (B, H, T) over the real (unpadded) query rows."""
     if mask is None:
         return x.mean()
     m = mask[:, None, :].to(x.dtype).expand_as(x)
     return (x * m).sum() / m.sum().clamp(min=1)
-
 
 def transfer_loss(core, q, k, v, mask, weights):
     """The stage-1 loss of one student core: a weighted sum of
@@ -285,7 +275,6 @@ def _forward(model, batch):
     return model.hidden_states(batch[0], attention_mask=batch[1] if glue else None,
                                token_type_ids=batch[2] if glue else None)
 
-
 def load_task(cfg, model):
     """train.Task with the teacher's tokenizer: --data's text (held out: --val_data or its last 10 %), or the
     GLUE task's train and dev sets."""
@@ -304,7 +293,6 @@ def load_task(cfg, model):
         raise ValueError(f"the tokenizer ({tok.name}) produced id {top} but the model has vocab_size "
                          f"{model.config.vocab_size}")
     return task
-
 
 @torch.no_grad()
 def evaluate(model, module, task, cfg, rt, layers):
@@ -334,7 +322,6 @@ def evaluate(model, module, task, cfg, rt, layers):
     out['kl_mean'], out['mse_mean'] = sum(kl.values()) / max(len(kl), 1), sum(mse.values()) / max(len(mse), 1)
     return out
 
-
 def _print(name, rec):
     q = rec.get('quality') or {}
     print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats ["
@@ -360,7 +347,6 @@ def teacher_qk(model, batches, layers, rt):
     return {l: (torch.cat(q, dim=2 if len(batches[0]) == 4 else 0), torch.cat(k, dim=2 if len(batches[0]) == 4 else 0))
             for l, (q, k) in qs.items()}
 
-
 def swap(model, cfg, layers, qk):
     """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k)."""
     spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
@@ -376,7 +362,6 @@ def swap(model, cfg, layers, qk):
         model.set_attention(s, [l])
     return out
 
-
 @torch.no_grad()
 def calibrate(model, layers, qk):
     """LLN's moment matching and the 'mix' window share s, from the teacher's q, k (attention.Attention.calibrate)."""
@@ -384,13 +369,11 @@ def calibrate(model, layers, qk):
     for l in layers:
         cores[l].calibrate(*qk[l])
 
-
 def _stage_cfg(cfg, iters, lr):
     """What train.fit reads: this stage's steps and its constant learning rate (no warmup, no weight decay)."""
     return SimpleNamespace(max_iters=iters, grad_accum=1, lr=lr, warmup_iters=0, min_lr_ratio=1.0, weight_decay=0.0,
                            eval_interval=iters, out_dir=cfg.out_dir, seed=cfg.seed, device=cfg.device,
                            dtype='float32')
-
 
 def transfer(model, task, cfg, rt, layers):
     """Stage 1: the teacher frozen (every core in teacher mode for the forward pass), only the converted
@@ -416,7 +399,6 @@ def transfer(model, task, cfg, rt, layers):
         losses = [json.loads(line)['loss'] for line in f]
     return dict(out, loss_first=losses[0], loss_last=losses[-1])
 
-
 def finetune(model, module, task, cfg, rt):
     """Stage 2: the task loss (next token, or the GLUE classifier's) on the LoRA factors of every layer's
     q/k/v/o plus a new classifier, or on every weight (--lora_rank 0)."""
@@ -436,7 +418,6 @@ def finetune(model, module, task, cfg, rt):
                     rt, log_name='stage2.jsonl')
     model.requires_grad_(False)
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')
-
 
 def run(cfg):
     """The whole conversion -> the summary (also out_dir/summary.json)."""
@@ -487,11 +468,9 @@ def run(cfg):
     print(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)", flush=True)
     return summary
 
-
 def _base_name(init_from):
     """How the saved checkpoint names its base: an absolute path, or the hub name."""
     return os.path.abspath(init_from) if os.path.exists(init_from) else init_from
-
 
 def unigram_loss(train_ids, val_ids, vocab_size):
     """Held-out cross-entropy (nats/token) of an add-one unigram model of the training tokens: the
@@ -524,7 +503,6 @@ def report(dirs):
                     + ' | '.join(quality((st.get(n) or {}).get('quality')) for n in ('swap', 'stage1', 'stage2'))
                     + f" | {' | '.join(kl)} | {' | '.join(rec)} | {s['seconds']:.0f} s |")
     return '\n'.join(rows)
-
 
 def main(argv=None):
     try:

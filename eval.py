@@ -18,7 +18,6 @@ softmax teacher); attention fidelity; LLN Fig. 2; benchmarks (torch.utils.benchm
 """
 import contextlib
 import ctypes
-import io
 import itertools
 import json
 import math
@@ -27,7 +26,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -50,10 +49,8 @@ SAMSUM_PROMPT = "Summarize this dialog:\n{dialogue}\n---\nSummary:\n"
 DEFAULT_PROMPTS = ('The capital of France is Paris. The capital of Germany is', 'Water boils at a temperature of',
                    'Once upon a time, in a small village,')
 
-
 class EvalError(ValueError):
     """Bad input: reported as one line and a non-zero exit."""
-
 
 def log(*a):
     print(*a, flush=True)
@@ -70,7 +67,6 @@ def load_model(ckpt, device='cpu'):
         raise EvalError(f'cannot load --ckpt {ckpt!r}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}')
     return m.to(device).eval(), extra
 
-
 def load(args, causal_for=None, with_tokenizer=True):
     """(model, extra, tokenizer) of --ckpt, the tokenizer the model's own or --tokenizer's (tokenizer.resolve);
     causal_for: the report that needs a causal model. --context must fit the model's block_size."""
@@ -83,18 +79,15 @@ def load(args, causal_for=None, with_tokenizer=True):
         raise EvalError(f'--context {args.context} > model block_size {model.config.block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
-
 def load_text(data):
     """--data: a text file, a folder of .txt files or a `datasets` name:config (its test split)."""
     data = data or 'wikitext:wikitext-103-raw-v1'
     return train.load_text(data, 'test'), data
 
-
 def describe_attention(model):
     """One label, or per-layer labels where the layers differ (a partial conversion)."""
     labels = [str(c.spec) for c in model.attention_cores()]
     return labels[0] if len(set(labels)) == 1 else ', '.join(f'L{i}:{a}' for i, a in enumerate(labels))
-
 
 @torch.no_grad()
 def capture_qk(model, idx, teacher=False):
@@ -149,7 +142,6 @@ def report_glue(args):
             'data': args.data or 'datasets glue', 'tokenizer': enc.name, 'attn': describe_attention(model),
             'metrics': metrics}
 
-
 @torch.no_grad()
 def predict_glue(module, enc, examples, num_labels, device='cpu', batch_size=32):
     """Predicted classes (or regression values) and labels for [(text_a, text_b, label)]."""
@@ -183,7 +175,6 @@ def load_summaries(data, limit=0):
                         'pass a JSONL of {"dialogue", "summary"}')
     return list(zip(ds['dialogue'], ds['summary']))[:limit or None], f'{data or "samsum"} (test)'
 
-
 @torch.no_grad()
 def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     """Greedy summary of a dialogue in the SAMSum prompt, up to EOS (the prompt keeps its end if too long)."""
@@ -194,7 +185,6 @@ def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     new = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.0,
                          eos_token_id=tok.eos_id)[0, len(ids):].tolist()
     return tok.decode(new[:new.index(tok.eos_id)] if tok.eos_id in new else new).strip()
-
 
 def rouge(references, predictions):
     """Mean F-measure (x100) of ROUGE-1, ROUGE-2 and ROUGE-L over the pairs, by the rouge-score package (the
@@ -208,7 +198,6 @@ def rouge(references, predictions):
     scorer = rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL'])
     scores = [scorer.score(r, p) for r, p in zip(references, predictions)]
     return {k: 100.0 * sum(s[k].fmeasure for s in scores) / len(scores) for k in ('rouge1', 'rouge2', 'rougeL')}
-
 
 def report_rouge(args):
     model, _, tok = load(args, 'rouge')
@@ -234,8 +223,8 @@ def report_rouge(args):
 def generate_prompts(args, tok):
     """--prompt (repeatable); else from --data: with --context N, --limit (default 3) passages of N tokens at
     evenly spaced offsets (long prompts reach a window hybrid's linear part), else one per line; else built-ins."""
-    if args.prompts or not args.data:
-        return args.prompts or list(DEFAULT_PROMPTS)
+    if args.prompt or not args.data:
+        return args.prompt or list(DEFAULT_PROMPTS)
     text = load_text(args.data)[0]
     if not args.context:
         return [p for p in text.splitlines() if p.strip()][:args.limit or None]
@@ -243,7 +232,6 @@ def generate_prompts(args, tok):
     if len(ids) < L:
         raise EvalError(f'--data has {len(ids)} tokens, fewer than --context {L}')
     return [tok.decode(ids[o:o + L]) for o in range(0, len(ids) - L + 1, max((len(ids) - L) // n, 1))][:n]
-
 
 @torch.no_grad()
 def report_generate(args):
@@ -338,7 +326,6 @@ filter_list:
 metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}]
 """
 
-
 def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
     """Passkey retrieval (Mohtashami & Jaggi 2023) as a local lm-eval task in `folder`: filler text of about
     `length` tokens of `tok`, the key sentence at `depth` % of it, then the question; exact match on the number."""
@@ -370,7 +357,6 @@ def run_lm_eval(args, model, tok, tasks, include=None, log_samples=False):
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(include_path=include or None),
                                    limit=args.limit or None, log_samples=log_samples)
 
-
 def report_lm_eval(args):
     """--lm_eval TASKS (comma-separated; --lm_eval_include DIR adds local task yamls) through lm-eval 0.4."""
     from lm_eval.utils import make_table
@@ -378,7 +364,6 @@ def report_lm_eval(args):
     res = run_lm_eval(args, model, tok, args.lm_eval.split(','), args.lm_eval_include)
     log(make_table(res))
     return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'results': res['results']}
-
 
 def report_passkey(args):
     """Passkey retrieval through lm-eval: --sweep lengths (default 512,1024,2048) x depths 0-100 %, --limit
@@ -423,7 +408,6 @@ def parse_list(s, what, kind=int):
         raise EvalError(f'--{what} wants positive numbers, got {s!r}')
     return vals
 
-
 def parse_maps(s):
     """--maps 'elu,exp:t=2' -> [(label, attention.AttnSpec)], the label as written (softmax is the reference)."""
     specs = [m for m in map(str.strip, s.split(',')) if m]
@@ -431,7 +415,6 @@ def parse_maps(s):
     if bad:
         raise EvalError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
     return [(m, attention.AttnSpec.parse(m)) for m in specs]
-
 
 def parse_heads(s, n_layer, n_head):
     """--heads 'L:H,...' -> [(layer, head)] (at most 6) for the figures; default first and last layer, heads 0, 1."""
@@ -443,7 +426,6 @@ def parse_heads(s, n_layer, n_head):
         raise EvalError(f'--heads wants layer:head pairs, layers 0..{n_layer - 1}, heads 0..{n_head - 1}; got {s!r}')
     return [(int(li), int(h)) for li, h in pairs][:6]
 
-
 def fidelity_windows(tok, ids, context, n_samples, bert=False):
     """(n, context) windows of consecutive token ids. A BERT sees text framed as in its training, [CLS] text
     [SEP] (the tokenizer's single-sentence classifier input): each window is [CLS] + context - 2 tokens + [SEP]."""
@@ -454,7 +436,6 @@ def fidelity_windows(tok, ids, context, n_samples, bert=False):
         raise EvalError(f'need at least --context={context} tokens of text' + (' (with [CLS] and [SEP])' if bert
                         else '') + f', got {len(ids)}')
     return torch.tensor([frame[:1] + ids[i * body:(i + 1) * body] + frame[1:] for i in range(n)], dtype=torch.long)
-
 
 @torch.no_grad()
 def compared_maps(specs, cfg, q, k, causal):
@@ -469,7 +450,6 @@ def compared_maps(specs, cfg, q, k, causal):
         fns[label + (' (calibrated)' if calibrated else ' (untrained)')] = core.weights
     return fns
 
-
 @torch.no_grad()
 def fidelity_stats(q, k, maps, causal=True):
     """maps: {name: fn(q, k) -> weights}. Returns {name: {metric: (H,)}} -- KL(softmax || map), entropy and
@@ -482,7 +462,6 @@ def fidelity_stats(q, k, maps, causal=True):
              for name, w in weights.items()}
     del stats['softmax']['kl']
     return stats, weights
-
 
 def report_fidelity(args):
     specs = parse_maps(args.maps)
@@ -521,7 +500,6 @@ def report_fidelity(args):
             'attn': describe_attention(model), 'maps': list(summary), 'summary': summary, 'layers': layers,
             'figures': fidelity_figures(args.out_dir, qk, first, layers, summary, pairs, cores)}
 
-
 def _save_figure(fig, out_dir, name):
     """Lay out, write out_dir/name as PNG, close; returns the path."""
     import matplotlib.pyplot as plt
@@ -531,7 +509,6 @@ def _save_figure(fig, out_dir, name):
     plt.close(fig)
     log(f'wrote {os.path.join(out_dir, name)}')
     return os.path.join(out_dir, name)
-
 
 def line_plots(panels, title, ncols=None):
     """A figure of line plots; panels: [{'series': {label: (xs, ys)}, 'title', 'xlabel', 'xscale', ...}] (the
@@ -556,7 +533,6 @@ def line_plots(panels, title, ncols=None):
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     return fig, list(axes.flat)
-
 
 def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     """Heatmaps, softmax next to each map on the (layer, head) pairs, first FIG_TOKENS tokens of sample 0
@@ -618,7 +594,6 @@ LLN_FIG2_METHODS = [('softmax', 'softmax', {}), ('lln paper', 'lln', {'match': '
                     ('lln entropy', 'lln', {'match': 'entropy'}), ('lln none', 'lln', {'match': 'none'}),
                     ('elu', 'elu', {}), ('relu', 'relu', {})]
 
-
 @torch.no_grad()
 def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
     """Row entropy (bits) and spectral gap of bidirectional attention matrices against the softmax temperature
@@ -641,7 +616,6 @@ def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
             res[label].setdefault('entropy_bits' if key == 'entropy' else key, []).append(v.mean().item())
             res[label].setdefault(f'{key}_std', []).append(v.std().item() if seeds > 1 else 0.0)
     return res
-
 
 def report_lln(args):
     """LLN Fig. 2 at head_dim 64 (the paper's; its fit is published for it): --context tokens per sequence
@@ -684,7 +658,6 @@ def timed(fn, number=0):
     t = benchmark.Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads())
     return t.timeit(number).mean if number else t.blocked_autorange(min_run_time=0.2).median
 
-
 def _proc_mb(key):
     """A /proc/self/status size (VmRSS, VmHWM) in MB; None without /proc."""
     try:
@@ -692,7 +665,6 @@ def _proc_mb(key):
             return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ':'))
     except (OSError, StopIteration):
         return None
-
 
 def peak_memory_mb(fn, device):
     """Extra memory at the peak of one call of fn(), MB: on CUDA torch.cuda.max_memory_allocated above the
@@ -715,13 +687,11 @@ def peak_memory_mb(fn, device):
     fn()
     return max(_proc_mb('VmHWM') - base, 0.0)
 
-
 def bench_model(spec, block_size, n_layer, n_head, n_embd, device):
     """A random gpt2-style model (vocab 256) with attention `spec` in every layer."""
     torch.manual_seed(0)
     return M.GPT(M.GPTConfig(family='gpt2', vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head,
                              n_embd=n_embd, attn=str(spec))).to(device).eval()
-
 
 @torch.no_grad()
 def bench_forward(part, lengths, specs, device):
@@ -739,7 +709,6 @@ def bench_forward(part, lengths, specs, device):
             rows.append({'T': T, 'attn': label, 'peak_mb': peak_memory_mb(fn, device), 'ms': timed(fn) * 1e3})
             log(f'  {part} T={T:6d} {label:12s} {rows[-1]["ms"]:9.2f} ms  peak +{rows[-1]["peak_mb"] or 0:8.1f} MB')
     return rows
-
 
 @torch.no_grad()
 def bench_decode(lengths, specs, device, model=None):
@@ -779,7 +748,6 @@ BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
                'state MB, process RSS MB, vs generated length', lambda r: f'{r["ms_per_token"]:.3f} ms '
                f'({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, RSS {r["rss_mb"] or 0:.0f}')}
 
-
 def bench_markdown(res):
     """A table per part, a row per length, a column per map; decode: longest over shortest length, per map."""
     out = []
@@ -798,7 +766,6 @@ def bench_markdown(res):
         out.append(f'- {a}, {rr[0]["length"]} -> {rr[-1]["length"]} tokens: per-token time x{x["ms_per_token"]:.2f}, '
                    f'state x{x["state_mb"]:.2f}, RSS x{x["rss_mb"]:.2f}')
     return '\n'.join(out)
-
 
 def report_bench(args):
     """--bench attention,prefill,decode (or all) of --maps (default elu) against softmax at the --sweep lengths."""
@@ -865,7 +832,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     limit: int = 0                # only the first N (0 = all): ppl tokens, GLUE/ROUGE examples, generate prompts
                                   # (with --context: N passages, default 3)
     max_new_tokens: int = 64      # rouge, generate
-    prompt: str = ''              # generate: a prompt (repeat the flag for several)
+    prompt: list[str] = field(default_factory=list)   # generate: a prompt (repeat the flag for several)
     maps: str = ''                # maps against softmax, with options (exp:t=2): bench (default elu), fidelity
                                   # (default for a softmax model: elu,performer,cosformer,taylor,hedgehog)
     qk: Literal['model', 'teacher'] = 'model'   # fidelity: q, k from the model's own pass, or from its softmax
@@ -883,32 +850,22 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
         if min(self.batch_size - 1, self.context, self.stride, self.limit, self.max_new_tokens) < 0:
             raise ValueError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
 
-
 def main(argv=None):
     """Runs one report: 0, or 2 and one line `eval.py: error: ...` on bad input."""
-    argv, usage = sys.argv[1:] if argv is None else list(argv), io.StringIO()
     try:
-        with contextlib.redirect_stderr(usage):    # argparse prints its usage before the error line: kept out
-            args, _ = train.parse_config(EvalConfig, argv, __doc__)
-        # --prompt repeats (parse_config keeps the last one): every one, in order
-        args.prompts = [a[len('--prompt='):] if a.startswith('--prompt=') else nxt
-                        for a, nxt in zip(argv, argv[1:] + ['']) if a == '--prompt' or a.startswith('--prompt=')]
+        args, _ = train.parse_config(EvalConfig, argv, __doc__)
         torch.manual_seed(0)
         res = {'report': args.report, **globals()['report_' + args.report](args)}
-    except SystemExit as e:
-        if not e.code:      # --help
-            raise
-        msg = usage.getvalue().strip().splitlines()[-1].partition('error: ')[2]
+    except SystemExit as e:   # parse_config printed its one line
+        return e.code
     except (ValueError, OSError) as e:   # bad options, paths, models, tokenizers: one clear line
-        msg = str(e).partition('\n')[0]
-    else:
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, f'{args.report}.json'), 'w') as f:
-            json.dump(res, f, indent=1, default=float)
-        log(f'wrote {os.path.join(args.out_dir, args.report + ".json")}')
-        return 0
-    print(f'eval.py: error: {msg}', file=sys.stderr)
-    return 2
+        print(f"eval.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f'{args.report}.json'), 'w') as f:
+        json.dump(res, f, indent=1, default=float)
+    log(f'wrote {os.path.join(args.out_dir, args.report + ".json")}')
+    return 0
 
 
 if __name__ == '__main__':

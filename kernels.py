@@ -62,7 +62,6 @@ DEFAULT_EPS = 1e-20  # as attention.EPS: only guards 0 / 0
 DEFAULT_CHUNK = 64   # BLOCK_T; 32 when F > 128 (register budget, see _blocks)
 MAX_FEATURE_DIM, MAX_HEAD_DIM = 256, 128  # the sizes the register blocking is built for
 
-
 def causal_linear_attention_reference(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_state=None, return_state=False):
     """Naive cumsum reference: S_t for every t, (B, H, T, F, D) memory. Computes in at least fp32 (float64
     stays float64); y in v.dtype, the state in the compute dtype."""
@@ -263,7 +262,6 @@ def _blocks(F, D, chunk):
     bwd = (max(16, min(BF, 2048 // BD)), BD)      # state (D, BLOCK_F) <= 2048 fp32
     return fwd, bwd, 8 if chunk * max(BF, BD) >= 64 * 64 else 4
 
-
 def _fwd(q, k, v, S0, z0, eps, store_state, chunk, cfg):
     """q, k (BH, T, F), v (BH, T, D) contiguous, one dtype. Returns y (BH, T, D), rden (BH, T), S_T, z_T."""
     (BH, T, F), D = q.shape, v.shape[-1]
@@ -276,7 +274,6 @@ def _fwd(q, k, v, S0, z0, eps, store_state, chunk, cfg):
         HAS_INIT=S0 is not None, STORE_STATE=store_state, BLOCK_T=chunk, BLOCK_F=BLOCK_F, BLOCK_D=BLOCK_D,
         num_warps=warps, **cfg)
     return y, rden, (ST, zT) if store_state else None
-
 
 def _bwd(q, k, v, y, rden, S0, z0, dy, dST, dzT, need_dinit, chunk, cfg):
     """All (BH, ..) contiguous. Returns dq, dk (BH, T, F), dv (BH, T, D), dS0, dz0 (or None), fp32."""
@@ -297,7 +294,6 @@ def _bwd(q, k, v, y, rden, S0, z0, dy, dST, dzT, need_dinit, chunk, cfg):
     _bwd_dkv_kernel[(BH, triton.cdiv(D, BD_fwd))](q, k, v, dy, rden, delta, *dstate, dv, dS0, dz0, T, F, D, DK=False,
                                                   HAS_DSTATE=dST is not None, STORE_DINIT=False, **blocks)
     return dq, dk, dv, (dS0, dz0) if need_dinit else (None, None)
-
 
 class CausalLinearAttention(torch.autograd.Function):
     """apply(phi_q, phi_k, v, S0, z0, eps, return_state, chunk_size, allow_tf32) -> y or (y, S_T, z_T)."""
@@ -335,16 +331,13 @@ class CausalLinearAttention(torch.autograd.Function):
             dS0, dz0 = dS0.reshape(B, H, F, D), dz0.reshape(B, H, F)
         return (*grads, dS0, dz0, None, None, None, None)
 
-
 def supports(F, D):
     """Whether the kernel handles feature dimension F and value dimension D (Taylor's 1 + D + D^2 does not)."""
     return F <= MAX_FEATURE_DIM and D <= MAX_HEAD_DIM
 
-
 def triton_available(x):
     """True when the kernel can run on tensor x: CUDA, or CPU under TRITON_INTERPRET=1 (set before import)."""
     return HAS_TRITON and (x.is_cuda or (INTERPRET and x.device.type == 'cpu'))
-
 
 @torch.compiler.disable   # torch.compile: a graph break here rather than tracing into the launches
 def causal_linear_attention(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_state=None, return_state=False,

@@ -20,10 +20,8 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-
 class TokenizerError(ValueError):
     """A tokenizer cannot be built or does not fit the model: one line, naming the problem and the choices."""
-
 
 class Tokenizer:
     """The common interface: name, vocab_size, eos_id, spec, encode, decode."""
@@ -56,7 +54,6 @@ class Tokenizer:
     def __deepcopy__(self, memo):    # immutable: copies of a model share its tokenizer
         return self
 
-
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes 0..255 plus an end-of-text token 256."""
     name, vocab_size, eos_id, spec = 'byte', 257, 256, {'kind': 'byte'}
@@ -69,7 +66,6 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids):
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode('utf-8', errors='replace')
-
 
 class TiktokenTokenizer(Tokenizer):
     """A tiktoken encoding (GPT-2's); its spec copies the ranks (private in tiktoken) to rebuild it offline."""
@@ -97,7 +93,6 @@ _LLAMA3_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 PRE_TOKENIZERS = {'default': _GPT2_PAT, 'gpt2': _GPT2_PAT, 'smollm': _SMOLLM_PAT,
                   'llama-bpe': _LLAMA3_PAT, 'llama3': _LLAMA3_PAT, 'llama-v3': _LLAMA3_PAT}
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4     # GGUF tokenizer.ggml.token_type values used here
-
 
 class HFTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer`; its spec is the tokenizer's JSON. Special tokens in the text are encoded as
@@ -172,10 +167,8 @@ class HFTokenizer(Tokenizer):
         return cls.from_bpe(get('tokens'), get('merges'), get('token_type', ()), get('pre', 'default'),
                             get('eos_token_id'))
 
-
 def has_tokenizer_files(folder):
     return any(os.path.isfile(os.path.join(folder, f)) for f in ('tokenizer.json', 'vocab.txt'))
-
 
 def load_tokenizer(source):
     """'bytes', 'gpt2' (tiktoken), a HuggingFace folder, a .gguf file, or a spec dict (to_spec)."""
@@ -205,7 +198,6 @@ def load_tokenizer(source):
     if os.path.isdir(source):
         return HFTokenizer.from_folder(source)
     raise TokenizerError(f"tokenizer {source!r}: not 'bytes', 'gpt2', a HuggingFace folder or a .gguf file")
-
 
 def resolve(model, source=None):
     """The tokenizer for `model`: `source` if given, else the model's own, else the project tokenizer of its

@@ -72,33 +72,42 @@ def _comments(cls):
             last = None
     return helps
 
-
 def parse_config(cls, argv=None, doc=None):
     """argv -> (a `cls` instance, the names of the fields given explicitly), for a dataclass with defaults
     (TrainConfig, convert.py's ConvertConfig). `--name value` or `--name=value`; a bool is `--name` / `--no_name`;
-    a Literal[...] takes only its values; help: the field's comment, `doc` heads --help. A bad value, an unknown
-    flag or a ValueError from __post_init__ (checks across fields) is a one-line error and exit status 2."""
+    a Literal[...] takes only its values; a list[...] field is a repeatable flag; help: the field's comment, `doc`
+    heads --help. A bad value, an unknown flag or a ValueError from __post_init__ (checks across fields) is a
+    one-line error and exit status 2. Used by train.py, convert.py and eval.py."""
     argv = sys.argv[1:] if argv is None else list(argv)
     helps, types = _comments(cls), get_type_hints(cls)
     fmt = type('Help', (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter), {})
     p = argparse.ArgumentParser(description=doc, formatter_class=fmt, allow_abbrev=False)
+
+    def error(msg):   # one line, without argparse's usage block
+        print(f"{p.prog}: error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+    p.error = error
     for f in fields(cls):
         t, h = types[f.name], (helps.get(f.name) or f.name).replace('%', '%%')
         if t is bool:
             p.add_argument('--' + f.name, action='store_true', default=f.default, help=f"{h}; --no_{f.name}: off")
             p.add_argument('--no_' + f.name, dest=f.name, action='store_false', help=argparse.SUPPRESS)
+        elif get_origin(t) is list:   # a repeatable flag
+            p.add_argument('--' + f.name, action='append', type=get_args(t)[0], default=None, help=h)
         else:
             choices = get_args(t) if get_origin(t) is Literal else None
             p.add_argument('--' + f.name, type=type(choices[0]) if choices else t, choices=choices,
                            default=f.default, help=h)
     ns = p.parse_args(argv)
+    for f in fields(cls):
+        if get_origin(types[f.name]) is list and getattr(ns, f.name) is None:   # a repeatable flag not given
+            setattr(ns, f.name, [])
     try:
         cfg = cls(**vars(ns))
     except ValueError as e:
         p.error(str(e))
     given = {a[2:].split('=')[0] for a in argv if a.startswith('--')}
     return cfg, {g[3:] if g.startswith('no_') and g[3:] in vars(ns) else g for g in given}
-
 
 @dataclass
 class TrainConfig:
@@ -188,7 +197,6 @@ def get_tokenizer(name='', model=None, verbose=True):
         print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}")
     return tok
 
-
 def load_text(path_or_name, split='train'):
     """A text file, a folder of .txt files (sorted, recursive, joined by blank lines) or a HF `datasets`
     name ('wikitext:wikitext-103-raw-v1' = name:config; needs internet or the HF cache; `split` is its)."""
@@ -210,7 +218,6 @@ def load_text(path_or_name, split='train'):
                          "file or folder with --data") from None
     return '\n'.join(ds['text' if 'text' in ds.column_names else ds.column_names[0]])
 
-
 def text_splits(cfg, tok):
     """(train_ids, val_ids) of cfg.data: a local file or folder's last cfg.val_fraction held out, or a `datasets`
     name's own validation split."""
@@ -222,12 +229,10 @@ def text_splits(cfg, tok):
         raise ValueError(f"{cfg.data}: {len(ids)} tokens is too little text for seq_len={cfg.seq_len}")
     return ids[:-n_val], ids[-n_val:]
 
-
 def get_text_batch(ids, offsets, seq_len):
     """Windows of ids starting at offsets -> (x, y) LongTensors (len(offsets), seq_len), y = x shifted by one."""
     w = torch.from_numpy(ids[np.asarray(offsets)[:, None] + np.arange(seq_len + 1)].astype(np.int64))
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
-
 
 def ppl_windows(n_tokens, context, stride):
     """Sliding windows over the n_tokens-1 next-token predictions: (begin, end, n_new) with inputs
@@ -242,7 +247,6 @@ def ppl_windows(n_tokens, context, stride):
             break
         prev = e
     return out
-
 
 @torch.no_grad()
 def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
@@ -277,16 +281,13 @@ GLUE_LABELS = ('label', 'gold_label', 'is_duplicate', 'score', 'quality')
 NLI_LABELS = {'entailment': 0, 'neutral': 1, 'contradiction': 2, 'not_entailment': 1}
 GLUE_FILES = {'train': ('train',), 'validation': ('dev', 'validation', 'dev_matched')}
 
-
 def glue_task_name(task):
     if task not in GLUE_TASKS:
         raise ValueError(f"unknown GLUE task {task!r}; choose one of: {', '.join(GLUE_TASKS)}")
     return task
 
-
 def glue_num_labels(task):
     return GLUE_TASKS[glue_task_name(task)][2]
-
 
 def _glue_example(row, task, where):
     """A row -> (text_a, text_b or None, label), None if empty or unlabelled. A dict (headered file) by column
@@ -312,7 +313,6 @@ def _glue_example(row, task, where):
     label = float(label) if n_labels == 1 else int(float(NLI_LABELS.get(label.lower(), label)))
     return str(a), None if b is None else str(b), label
 
-
 def load_glue(task, path, split='train'):
     """GLUE examples [(text_a, text_b or None, label)] (label: int class, float for STS-B) of split train or
     validation. path: a folder holding train.{tsv,csv,jsonl} and dev.* (or validation.*; MNLI dev_matched.*),
@@ -335,18 +335,9 @@ def load_glue(task, path, split='train'):
                 rows = [dict(zip(rows[0], r)) for r in rows[1:] if r]
     return [ex for ex in (_glue_example(r, task, fn) for r in rows) if ex]
 
-
-def _ranks(x):
-    """Average ranks, ties sharing their mean rank (scipy.stats.rankdata)."""
-    _, inv, counts = np.unique(np.asarray(x, np.float64), return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    return ((ends - counts + 1 + ends) / 2.0)[inv]
-
-
 def pearson(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else 0.0   # 0 for a constant
-
 
 def matthews_corrcoef(labels, preds):
     """Multiclass Matthews correlation (as sklearn.metrics.matthews_corrcoef), from the confusion matrix C."""
@@ -357,13 +348,13 @@ def matthews_corrcoef(labels, preds):
     den = math.sqrt((s * s - (p * p).sum()) * (s * s - (t * t).sum()))
     return float((c * s - (t * p).sum()) / den) if den > 0 else 0.0
 
-
 def glue_metric(task, preds, labels):
     """The task's GLUE metrics: CoLA mcc; STS-B pearson, spearman; MRPC/QQP accuracy, f1 (of class 1); the
     others accuracy. 'main' repeats the one GLUE ranks by (mcc, accuracy or pearson)."""
     if glue_task_name(task) == 'stsb':
         r = pearson(preds, labels)
-        return {'pearson': r, 'spearman': pearson(_ranks(preds), _ranks(labels)), 'main': r}
+        rho = pearson(*(attention.ranks(torch.as_tensor(x)).numpy() for x in (preds, labels)))
+        return {'pearson': r, 'spearman': rho, 'main': r}
     preds, labels = np.asarray(preds), np.asarray(labels)
     out = {'accuracy': float((preds == labels).mean()) if len(labels) else 0.0}
     if task in ('mrpc', 'qqp'):
@@ -372,7 +363,6 @@ def glue_metric(task, preds, labels):
     if task == 'cola':
         out['mcc'] = matthews_corrcoef(labels, preds)
     return {**out, 'main': out.get('mcc', out['accuracy'])}
-
 
 class GlueEncoder:
     """(text_a, text_b) -> (ids, token types) by the tokenizer's encode_pair: [CLS] a [SEP] b [SEP] (BERT) or
@@ -387,14 +377,12 @@ class GlueEncoder:
     def encode(self, a, b=None):
         return self.tok.encode_pair(a, b, self.seq_len)
 
-
 def collate_glue(encoded, labels):
     """[(ids, token_types)], labels -> (idx, attention_mask, token_type_ids, labels) tensors, 0-padded right."""
     idx, tt, mask = torch.zeros(3, len(encoded), max(len(ids) for ids, _ in encoded), dtype=torch.long)
     for i, (ids, types) in enumerate(encoded):
         idx[i, :len(ids)], tt[i, :len(types)], mask[i, :len(ids)] = torch.tensor(ids), torch.tensor(types), 1
     return idx, mask, tt, torch.tensor(labels, dtype=torch.float32 if isinstance(labels[0], float) else torch.long)
-
 
 class Classifier(nn.Module):
     """Sequence classification around a GPT: BERT family -> model.classify (pooled [CLS]); causal families
@@ -416,7 +404,6 @@ class Classifier(nn.Module):
         logits = self.head(h[torch.arange(idx.size(0), device=idx.device), last])
         return logits, None if labels is None else F.mse_loss(logits.squeeze(-1).float(), labels.float()) \
             if self.num_labels == 1 else F.cross_entropy(logits.float(), labels.long())
-
 
 @torch.no_grad()
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
@@ -440,7 +427,6 @@ def _fmt_time(s):
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
-
 def get_lr(cfg, it):
     """Linear warmup, then cosine decay from cfg.lr to cfg.lr * cfg.min_lr_ratio at cfg.max_iters (nanoGPT)."""
     min_lr = cfg.lr * cfg.min_lr_ratio
@@ -448,7 +434,6 @@ def get_lr(cfg, it):
         return cfg.lr * (it + 1) / (cfg.warmup_iters + 1)
     ratio = min(1.0, (it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - min_lr)
-
 
 def setup(cfg):
     """This process's runtime from cfg.device, cfg.dtype and torchrun's RANK / LOCAL_RANK / WORLD_SIZE (the
@@ -472,7 +457,6 @@ def setup(cfg):
     return SimpleNamespace(ddp=ddp, rank=rank, world=world, master=rank == 0, device=device, dtype=dtype,
                            autocast=autocast)
 
-
 def _start(params_or_optimizer, cfg, rt, resume):
     """(optimizer, grad scaler, data-stream generator, step): fresh, or continued from a checkpoint's state."""
     opt = params_or_optimizer if isinstance(params_or_optimizer, torch.optim.Optimizer) else \
@@ -493,7 +477,6 @@ def _start(params_or_optimizer, cfg, rt, resume):
         torch.manual_seed(cfg.seed + rt.rank + 7919 * step)   # per-process seeds (dropout and the like)
     return opt, scaler, gen, step
 
-
 def _open_log(path, step):
     """out_dir/log.jsonl with the rows before `step` (those of the run resumed), open to append."""
     rows = [r for r in open(path) if r.strip() and json.loads(r)['iter'] < step] if os.path.exists(path) else []
@@ -501,7 +484,6 @@ def _open_log(path, step):
         f.writelines(rows)
     os.replace(path + '.tmp', path)
     return open(path, 'a')
-
 
 def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
     """The gradients of one step: cfg.grad_accum micro-batches of the global stream, which every process
@@ -522,7 +504,6 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
         total /= rt.world
     return total.item(), tokens
 
-
 class NonFiniteLoss(RuntimeError):
     def __init__(self, what, value, step, saved, cfg, rt):   # saved: the last checkpoint's path, True or None
         kept = f"the last good checkpoint{'' if saved is True else ' ' + saved} was kept" if saved else \
@@ -531,7 +512,6 @@ class NonFiniteLoss(RuntimeError):
                          f"{cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a numerically stable feature map variant "
                          "(e.g. hedgehog with its default softmax over the feature dim, lolcats, or --attn softmax "
                          "to check the setup).")
-
 
 def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate=None, save=None, resume=None,
         log_name='log.jsonl'):
@@ -582,14 +562,14 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
                 module.train()
                 if not all(math.isfinite(v) for v in est.values()):
                     raise NonFiniteLoss('evaluation loss', est, step, saved, cfg, rt)
-                print(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
+                if est:
+                    print(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
                 if save:   # the state that `resume` continues from exactly (_start)
                     cuda_rng = torch.cuda.get_rng_state(rt.device) if rt.device.startswith('cuda') else None
                     saved = save(dict(optimizer=opt.state_dict(), scaler=scaler.state_dict(), iter_num=step,
                                       cuda_rng=cuda_rng, data_rng=gen.get_state(), torch_rng=torch.get_rng_state()))
     return {'iters': step, 'train_time_s': round(time.time() - t0, 2),
             'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
-
 
 def _progress(step, loss, lr, tokens, clock, cfg):
     """A progress line ten times a run and at its last step; clock: [time, step] of the one before."""
@@ -645,11 +625,9 @@ class Task:
         n = min((self.size[split] - 1) // step + 1, n_batches * B)
         return [torch.arange(i, min(i + B, n)) * step for i in range(0, n, B)]
 
-
 def task_loss(module, batch):
     """The loss of every task: the module's own (LM, recall or classifier)."""
     return module(*batch)[1]
-
 
 @torch.no_grad()
 def _predict(module, task, split, sels, rt):
@@ -667,7 +645,6 @@ def _predict(module, task, split, sels, rt):
         labels += y.tolist()
     return *np.array(stats).T, np.array(preds), np.array(labels)
 
-
 def estimate_loss(module, task, rt):
     """Mean loss over the fixed evaluation batches of each split (nanoGPT); AR also its accuracy."""
     out = {}
@@ -677,7 +654,6 @@ def estimate_loss(module, task, rt):
         if task.cfg.task in ('ar', 'mqar'):
             out[split + '_acc'] = float((preds == labels).mean())
     return out
-
 
 def final_metrics(module, model, task, rt):
     """On the whole val split: text perplexity (windows of seq_len, stride seq_len); GLUE dev loss and the
@@ -699,7 +675,6 @@ def final_metrics(module, model, task, rt):
     return {'test_loss': loss, 'test_acc': float((preds == labels).mean()), 'attn_entropy': ent,
             'attn_entropy_query': ent_q}
 
-
 def build_model(cfg, vocab_size, num_labels=0, explicit=()):
     """A GPT from scratch: cfg's family (glue: bert unless --family is given), size, init and attention."""
     family = 'bert' if cfg.task == 'glue' and 'family' not in explicit else cfg.family
@@ -709,12 +684,10 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
                              emb_init_std=emb_init_std, num_labels=num_labels if family == 'bert' else 0,
                              tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv, attn=cfg.attn))
 
-
 def load_init(path, resume=False, **overrides):
     """The one place train.py loads a model (model.load) -> (model, training state). resume: our checkpoint
     and the state it holds (no overrides); else a HF folder or hub name, a .gguf file or our checkpoint."""
     return M.load(path, **({} if resume else overrides))
-
 
 def _model_and_task(cfg, explicit, verbose):
     """(model, task, resume state): resumed from out_dir/ckpt.pt, or loaded from --init_from (its tokenizer
@@ -735,7 +708,6 @@ def _model_and_task(cfg, explicit, verbose):
         model = build_model(cfg, task.vocab_size, task.num_labels, explicit)
     model.tokenizer = tok or model.tokenizer   # ckpt.pt carries it
     return model, task, state
-
 
 def train(cfg, explicit=frozenset()):
     """One training run. -> the summary (also out_dir/summary.json) on the master process, None elsewhere."""
@@ -781,7 +753,6 @@ def train(cfg, explicit=frozenset()):
         if rt.ddp and dist.is_initialized():
             dist.destroy_process_group()
 
-
 def compare(cfg, explicit=frozenset()):
     """One run per --attn value in cfg.compare (same config, budget and seeds; each in out_dir/<value>/), and
     a markdown table of the task metric, attention entropy, final train loss and times (out_dir/compare.md)."""
@@ -805,7 +776,6 @@ def compare(cfg, explicit=frozenset()):
     with open(os.path.join(cfg.out_dir, 'compare.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     return rows
-
 
 def main(argv=None):
     cfg, explicit = parse_config(TrainConfig, argv, __doc__)
