@@ -1,5 +1,4 @@
-"""
-Evaluate a model: one report per run, printed and written to <out_dir>/<report>.json (figures as PNG where
+"""Evaluate a model: one report per run, printed and written to <out_dir>/<report>.json (figures as PNG where
 matplotlib is installed).
 
     python eval.py --ckpt out --ppl --data ../shared/data/wikitext-2/test.txt --context 256 --stride 128
@@ -9,12 +8,7 @@ matplotlib is installed).
     python eval.py --ckpt out-convert --fidelity --data input.txt --maps elu,lln --heads 0:0,1:1
     python eval.py --bench attention,decode --maps elu,hedgehog --out_dir out/bench
     python eval.py --lln --out_dir out/lln                  # LLN Fig. 2 on Gaussian q, k (no model)
-
---ckpt: a train.py checkpoint (or its out_dir), a convert.py folder, a Hugging Face folder or hub name, a .gguf
-file. Text is encoded with the model's own tokenizer, or with --tokenizer PATH's.
-
-In reading order: loading; perplexity (train.perplexity); GLUE; ROUGE (rouge-score); generate (next to the
-softmax teacher); attention fidelity; LLN Fig. 2; benchmarks (torch.utils.benchmark); the command line.
+    python eval.py --ckpt out-convert --passkey --sweep 512,1024   # or --lm_eval hellaswag,arc_easy
 """
 import contextlib
 import ctypes
@@ -55,9 +49,7 @@ class EvalError(ValueError):
 def log(*a):
     print(*a, flush=True)
 
-
-# -----------------------------------------------------------------------------------------------------------
-# loading
+# ---- loading -----------------------------------------------------------------
 
 def load_model(ckpt, device='cpu'):
     """(model, extra) by model.load, its error in one line."""
@@ -68,8 +60,7 @@ def load_model(ckpt, device='cpu'):
     return m.to(device).eval(), extra
 
 def load(args, causal_for=None, with_tokenizer=True):
-    """(model, extra, tokenizer) of --ckpt, the tokenizer the model's own or --tokenizer's (tokenizer.resolve);
-    causal_for: the report that needs a causal model. --context must fit the model's block_size."""
+    """(model, extra, tokenizer) of --ckpt: the model's own tokenizer or --tokenizer's (tokenizer.resolve)."""
     if not args.ckpt:
         raise EvalError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
     model, extra = load_model(args.ckpt, args.device)
@@ -96,9 +87,7 @@ def capture_qk(model, idx, teacher=False):
         model.encode(idx) if model.config.family == 'bert' else model(idx)
     return [(rec[i][0].float().cpu(), rec[i][1].float().cpu()) for i in sorted(rec)]
 
-
-# -----------------------------------------------------------------------------------------------------------
-# perplexity (train.perplexity, the project's one)
+# ---- perplexity and GLUE (train.py's perplexity, GLUE data, metrics and classifier) ----
 
 def report_ppl(args):
     model, _, tok = load(args, 'ppl')
@@ -111,11 +100,6 @@ def report_ppl(args):
     log(f'perplexity {res["ppl"]:.3f} (mean NLL {res["nll"]:.4f} nats/token) over {res["tokens_scored"]:,} tokens, '
         f'context {context}, stride {res["stride"]}, {res["windows"]} windows, {res["seconds"]} s')
     return res
-
-
-# -----------------------------------------------------------------------------------------------------------
-# GLUE (data loading, encoding, metrics and the classifier wrapper are train.py's)
-
 def report_glue(args):
     """A finetuned classifier (train.py --task glue, or a BERT with its head) on the task's validation split."""
     model, extra, tok = load(args)
@@ -138,9 +122,8 @@ def report_glue(args):
     preds, labels = predict_glue(module.to(args.device).eval(), enc, dev, num_labels, args.device, args.batch_size)
     metrics = train.glue_metric(task, preds, labels)
     log(f'GLUE {task} validation ({len(labels)} examples): ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
-    return {'task': task, 'split': 'validation', 'examples': len(labels), 'ckpt': args.ckpt,
-            'data': args.data or 'datasets glue', 'tokenizer': enc.name, 'attn': describe_attention(model),
-            'metrics': metrics}
+    return {'task': task, 'split': 'validation', 'examples': len(labels), 'ckpt': args.ckpt, 'metrics': metrics,
+            'data': args.data or 'datasets glue', 'tokenizer': enc.name, 'attn': describe_attention(model)}
 
 @torch.no_grad()
 def predict_glue(module, enc, examples, num_labels, device='cpu', batch_size=32):
@@ -154,9 +137,7 @@ def predict_glue(module, enc, examples, num_labels, device='cpu', batch_size=32)
         labels += lab.tolist()
     return preds, labels
 
-
-# -----------------------------------------------------------------------------------------------------------
-# ROUGE on generated summaries
+# ---- greedy generation: ROUGE of summaries; the model next to its softmax teacher ----
 
 def load_summaries(data, limit=0):
     """[(dialogue, summary)] from a JSONL of {dialogue, summary}, or a `datasets` name (default samsum, test)."""
@@ -187,8 +168,7 @@ def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     return tok.decode(new[:new.index(tok.eos_id)] if tok.eos_id in new else new).strip()
 
 def rouge(references, predictions):
-    """Mean F-measure (x100) of ROUGE-1, ROUGE-2 and ROUGE-L over the pairs, by the rouge-score package (the
-    papers' ROUGE; its default tokenizer, no stemming)."""
+    """Mean F-measure x100 of ROUGE-1/2/L by rouge-score (the papers' ROUGE: its default tokenizer, no stemming)."""
     try:
         from rouge_score import rouge_scorer
     except ImportError:
@@ -215,11 +195,6 @@ def report_rouge(args):
             'max_new_tokens': args.max_new_tokens, 'prompt_template': SAMSUM_PROMPT, 'scores': scores,
             'samples': [{'summary': s, 'generated': p} for s, p in list(zip(refs, preds))[:5]],
             'seconds': round(time.time() - t0, 2)}
-
-
-# -----------------------------------------------------------------------------------------------------------
-# generation: the model next to its softmax teacher
-
 def generate_prompts(args, tok):
     """--prompt (repeatable); else from --data: with --context N, --limit (default 3) passages of N tokens at
     evenly spaced offsets (long prompts reach a window hybrid's linear part), else one per line; else built-ins."""
@@ -257,22 +232,17 @@ def report_generate(args):
     return {'ckpt': args.ckpt, 'tokenizer': tok.name, 'max_new_tokens': args.max_new_tokens,
             'models': [n for n, _ in runs], 'samples': rows}
 
-
-# -----------------------------------------------------------------------------------------------------------
-# lm-evaluation-harness (0.4.x, optional: imported only by --lm_eval) and the passkey task
+# ---- lm-evaluation-harness (0.4.x, optional: imported only by --lm_eval) and the passkey task ----
 
 def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
-    """`model` as an lm-eval `LM`: loglikelihood (right-padded batches; a causal model's padding comes after its
-    tokens), loglikelihood_rolling (train.perplexity's windows and stride), generate_until (greedy, the model's
-    own decode state). A document, or an empty context, starts after the end-of-text token (lm-eval's prefix
-    token), so the rolling log-likelihood scores every token of a document; eval.py --ppl scores a text's
-    tokens after its first (nothing is prepended there)."""
+    """`model` as an lm-eval `LM`: loglikelihood, loglikelihood_rolling (train.perplexity's windows), generate_until
+    (greedy). A document or an empty context starts after the end-of-text token (lm-eval's prefix token), so every
+    token of a document is scored; eval.py --ppl prepends nothing and scores a text's tokens after its first."""
     from lm_eval.api.model import LM
     eos = tok.eos_id
 
     def split(ctx, cont):   # lm-eval's convention: trailing spaces of the context belong to the continuation
-        n = len(ctx) - len(ctx.rstrip())
-        ctx, cont = ctx[:len(ctx) - n], ctx[len(ctx) - n:] + cont
+        ctx, cont = ctx.rstrip(), ctx[len(ctx.rstrip()):] + cont
         whole, head = tok.encode(ctx + cont), tok.encode(ctx)
         return (head, whole[len(head):]) if ctx else ([eos], whole)
 
@@ -283,9 +253,8 @@ def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
             out = []
             for i in range(0, len(pairs), batch_size):   # right-padded: a causal model's padding is after its tokens
                 group = [(c + t)[-(context + 1):] for c, t in pairs[i:i + batch_size]]
-                x = torch.zeros(len(group), max(len(g) for g in group) - 1, dtype=torch.long)
-                for r, g in enumerate(group):
-                    x[r, :len(g) - 1] = torch.tensor(g[:-1])
+                inputs = [torch.tensor(g[:-1], dtype=torch.long) for g in group]
+                x = torch.nn.utils.rnn.pad_sequence(inputs, batch_first=True)
                 logp = model(x.to(device))[0].float().log_softmax(-1).cpu()
                 for r, (g, (_, t)) in enumerate(zip(group, pairs[i:i + batch_size])):
                     lp, y = logp[r, len(g) - 1 - len(t):len(g) - 1], torch.tensor(t)
@@ -293,23 +262,19 @@ def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
             return out
 
         def loglikelihood_rolling(self, requests):
-            out = []
-            for r in requests:
-                res = train.perplexity(model, [eos] + tok.encode(r.args[0]), context, stride, device, batch_size)
-                out.append(-res['nll'] * res['tokens_scored'])
-            return out
+            res = [train.perplexity(model, [eos] + tok.encode(r.args[0]), context, stride, device, batch_size)
+                   for r in requests]
+            return [-r['nll'] * r['tokens_scored'] for r in res]
 
         def generate_until(self, requests):
             out = []
-            for r in requests:
-                ctx, kw = r.args
+            for ctx, kw in (r.args for r in requests):
                 until, n = kw.get('until') or [tok.decode([eos])], kw.get('max_gen_toks', 256)
                 idx = torch.tensor([tok.encode(ctx) or [eos]], device=device)
                 text = tok.decode(model.generate(idx, n, temperature=0.0, eos_token_id=eos)[0, idx.shape[1]:].tolist())
                 out.append(min((text.split(s)[0] for s in until), key=len))
             return out
     return Adapter()
-
 
 PASSKEY_FILLER = 'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. '
 PASSKEY_YAML = """task: passkey_retrieval
@@ -380,7 +345,7 @@ def report_passkey(args):
     depths = sorted({d for _, d in cells})
     acc = [[statistics.mean(cells[(L, d)]) for d in depths] for L in lengths]
     rows = ['| tokens | ' + ' | '.join(f'depth {d} %' for d in depths) + ' | mean |', '|---' * (len(depths) + 2) + '|']
-    rows += [f'| {L} | ' + ' | '.join(f'{a:.2f}' for a in r) + f' | {statistics.mean(r):.2f} |' for L, r in zip(lengths, acc)]
+    rows += [f'| {L} | ' + ' | '.join(f'{a:.2f}' for a in r + [sum(r) / len(r)]) + ' |' for L, r in zip(lengths, acc)]
     log('\n'.join(rows) + f'\n{describe_attention(model)}: {n} samples per cell, {time.time() - t0:.0f} s')
     with contextlib.suppress(ImportError):
         import matplotlib.pyplot as plt
@@ -394,9 +359,7 @@ def report_passkey(args):
     return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'lengths': lengths, 'depths': depths,
             'accuracy': acc, 'samples_per_cell': n, 'seconds': round(time.time() - t0, 1)}
 
-
-# -----------------------------------------------------------------------------------------------------------
-# attention fidelity
+# ---- attention fidelity ------------------------------------------------------
 
 def parse_list(s, what, kind=int):
     """'1,2,4' -> [1, 2, 4]: positive numbers of `kind`, else a one-line error."""
@@ -427,8 +390,7 @@ def parse_heads(s, n_layer, n_head):
     return [(int(li), int(h)) for li, h in pairs][:6]
 
 def fidelity_windows(tok, ids, context, n_samples, bert=False):
-    """(n, context) windows of consecutive token ids. A BERT sees text framed as in its training, [CLS] text
-    [SEP] (the tokenizer's single-sentence classifier input): each window is [CLS] + context - 2 tokens + [SEP]."""
+    """(n, context) windows of consecutive token ids; a BERT's framed as in its training: [CLS] text [SEP]."""
     frame = tok.encode_pair('', None, context)[0] if bert else []   # [CLS] [SEP]
     body = context - len(frame)
     n = min(len(ids) // body, n_samples)
@@ -436,19 +398,6 @@ def fidelity_windows(tok, ids, context, n_samples, bert=False):
         raise EvalError(f'need at least --context={context} tokens of text' + (' (with [CLS] and [SEP])' if bert
                         else '') + f', got {len(ids)}')
     return torch.tensor([frame[:1] + ids[i * body:(i + 1) * body] + frame[1:] for i in range(n)], dtype=torch.long)
-
-@torch.no_grad()
-def compared_maps(specs, cfg, q, k, causal):
-    """{label: weights fn} of the --maps on one layer's q, k (B, H, T, D). A map with data-dependent statistics
-    (LLN's sigma_q^2, sigma_k^2) is calibrated on these q, k first, as convert.py does before stage 1."""
-    fns = {}
-    for label, spec in specs:
-        core = attention.Attention(spec, q.shape[-1], q.shape[1], causal=causal, max_len=cfg.block_size)
-        calibrated = hasattr(core.fmap, 'calibrate')
-        if calibrated:
-            core.fmap.calibrate(q, k)
-        fns[label + (' (calibrated)' if calibrated else ' (untrained)')] = core.weights
-    return fns
 
 @torch.no_grad()
 def fidelity_stats(q, k, maps, causal=True):
@@ -463,6 +412,7 @@ def fidelity_stats(q, k, maps, causal=True):
     del stats['softmax']['kl']
     return stats, weights
 
+@torch.no_grad()
 def report_fidelity(args):
     specs = parse_maps(args.maps)
     model, _, tok = load(args)
@@ -479,9 +429,14 @@ def report_fidelity(args):
     torch.manual_seed(0)
     layers, summary, first = [], {}, []
     for li, (core, (q, k)) in enumerate(zip(cores, qk)):
-        own = {} if core.spec.name == 'softmax' else {f'{core.spec} (model)': lambda q_, k_, c=core: c.weights(
+        maps = {} if core.spec.name == 'softmax' else {f'{core.spec} (model)': lambda q_, k_, c=core: c.weights(
             q_.to(args.device), k_.to(args.device)).cpu()}
-        stats, weights = fidelity_stats(q, k, {**own, **compared_maps(specs, cfg, q, k, core.causal)}, core.causal)
+        for label, spec in specs:
+            m = attention.Attention(spec, q.shape[-1], q.shape[1], causal=core.causal, max_len=cfg.block_size)
+            if hasattr(m.fmap, 'calibrate'):   # LLN's sigma_q^2, sigma_k^2 from these q, k, as convert.py does first
+                m.fmap.calibrate(q, k)
+            maps[label + (' (calibrated)' if hasattr(m.fmap, 'calibrate') else ' (untrained)')] = m.weights
+        stats, weights = fidelity_stats(q, k, maps, core.causal)
         layers.append({'layer': li, 'attn': str(core.spec), 'heads': [
             {'head': h, 'softmax': {m: v[h].item() for m, v in stats['softmax'].items()},
              'maps': {n: {m: v[h].item() for m, v in s.items()} for n, s in stats.items() if n != 'softmax'}}
@@ -585,9 +540,7 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     fig.suptitle(f'weight vs q.k, layer {li} head {h}, last {len(rows)} query rows', fontsize=9)
     return files + [_save_figure(fig, out_dir, 'fidelity_scatter.png')]
 
-
-# -----------------------------------------------------------------------------------------------------------
-# LLN Fig. 2: does moment matching make LLN concentrate like softmax?
+# ---- LLN Fig. 2: does moment matching make LLN concentrate like softmax? -----
 
 # (label, attention name, map options): the curves of LLN Fig. 2 plus the LLN temperature choices and baselines
 LLN_FIG2_METHODS = [('softmax', 'softmax', {}), ('lln paper', 'lln', {'match': 'paper'}),
@@ -596,11 +549,11 @@ LLN_FIG2_METHODS = [('softmax', 'softmax', {}), ('lln paper', 'lln', {'match': '
 
 @torch.no_grad()
 def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
-    """Row entropy (bits) and spectral gap of bidirectional attention matrices against the softmax temperature
-    sigma^2 = sigma_q^2 sigma_k^2 (LLN Fig. 2): q, k ~ N(0, sqrt(sigma^2) I_D), so sigma_q^2 = sigma_k^2 = sigma;
-    `seeds` sequences, the same unit draws rescaled at every sigma^2 (generator seed 1000 + seed: not the samples
-    the LLN fits were made on); LLN maps calibrated on the q, k they are applied to. {label: {'entropy_bits',
-    'entropy_std', 'spectral_gap', 'spectral_gap_std'[, 'alpha']}}: per sigma^2, mean (std) over sequences."""
+    """Row entropy (bits) and spectral gap of bidirectional attention against the softmax temperature sigma^2 =
+    sigma_q^2 sigma_k^2 (LLN Fig. 2): q, k ~ N(0, sqrt(sigma^2) I_D), so sigma_q^2 = sigma_k^2 = sigma; `seeds`
+    sequences, the same unit draws (generator seed 1000 + seed: not the LLN fits' samples) rescaled at every sigma^2,
+    LLN maps calibrated on them. {label: {'entropy_bits', 'entropy_std', 'spectral_gap', 'spectral_gap_std'[,
+    'alpha']}}: per sigma^2, mean (std) over sequences."""
     g = torch.Generator().manual_seed(1000 + seed)
     q0, k0 = (torch.randn(seeds, 1, tokens, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
     res = {label: {} for label, _, _ in LLN_FIG2_METHODS}
@@ -648,9 +601,7 @@ def report_lln(args):
             'curves': curves, 'max_entropy_error_1_4': err,
             'figures': [_save_figure(fig, args.out_dir, 'lln.png')] if fig else []}
 
-
-# -----------------------------------------------------------------------------------------------------------
-# benchmarks
+# ---- benchmarks --------------------------------------------------------------
 
 def timed(fn, number=0):
     """Seconds per call of fn() by torch.utils.benchmark.Timer (CUDA synchronised, the process's torch threads): the
@@ -695,9 +646,9 @@ def bench_model(spec, block_size, n_layer, n_head, n_embd, device):
 
 @torch.no_grad()
 def bench_forward(part, lengths, specs, device):
-    """part 'attention': one core on random q, k, v (1, 12, T, 64) (fp16 on CUDA), softmax by SDPA, the maps
-    chunked (the Triton kernel on CUDA); 'prefill': one forward of T tokens through a random 2-layer gpt2-style
-    model (12 heads, n_embd 768). Median ms (Timer) and peak extra memory, per map and length."""
+    """Median ms (Timer) and peak extra memory, per map and length, of part 'attention': one core on random q, k, v
+    (fp16 on CUDA; softmax by SDPA, the maps chunked or by the Triton kernel on CUDA), or 'prefill': one forward of
+    T tokens through a random model (the setups: BENCH_TABLES' captions)."""
     rows, dtype = [], torch.float16 if torch.device(device).type == 'cuda' else torch.float32
     for label, spec in [('softmax', attention.AttnSpec())] + specs:
         m = attention.Attention(spec, 64, 12).to(device) if part == 'attention' else \
@@ -714,9 +665,8 @@ def bench_forward(part, lengths, specs, device):
 def bench_decode(lengths, specs, device, model=None):
     """Per-token decode time and memory at generated length L, greedy: model.prefill builds the state of the first
     L - DECODE_STEPS - 2 tokens (the KV cache or recurrent state generation would hold), then Timer.timeit runs 2
-    warm-up and DECODE_STEPS timed model.decode_step calls up to L (their mean). Memory at L: the attention state
-    (exact) and the process RSS. Random 1-layer gpt2-style models (2 heads of 64) of softmax and each map; with
-    `model` (a checkpoint) its own attention against its softmax teacher (every core in teacher mode: KV cache)."""
+    warm-up and DECODE_STEPS timed model.decode_step calls up to L (their mean); memory: the attention state (exact)
+    and the process RSS. Random models of softmax and each map, or `model`'s attention against its softmax teacher."""
     rows, own = [], specs if model is None else [(describe_attention(model), None)]
     for label, spec in [('softmax', attention.AttnSpec())] + own:
         m = model if model is not None else bench_model(spec, max(lengths) + 1, 1, 2, 128, device)
@@ -737,7 +687,6 @@ def bench_decode(lengths, specs, device, model=None):
                 log(f'  decode {label:12s} at {L:6d} tokens: {sec * 1e3:7.3f} ms/token, '
                     f'state {rows[-1]["state_mb"]:9.3f} MB, RSS {rows[-1]["rss_mb"] or 0:8.1f} MB')
     return rows
-
 
 BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
     'attention': ('T', ('ms', 'peak_mb'), 'Attention layer (B=1, 12 heads, head_dim 64), median ms / peak extra memory '
@@ -804,9 +753,7 @@ def report_bench(args):
     res['figure'] = _save_figure(fig, args.out_dir, 'bench.png') if fig else None
     return res
 
-
-# -----------------------------------------------------------------------------------------------------------
-# command line
+# ---- command line ------------------------------------------------------------
 
 @dataclass
 class EvalConfig:   # the flags (train.parse_config); the reports first, one per run
@@ -820,7 +767,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     lm_eval: str = ''             # lm-evaluation-harness tasks, comma-separated (pip install lm-eval)
     passkey: bool = False         # passkey retrieval by length (--sweep) and depth, through lm-eval
     lm_eval_include: str = ''     # a folder of local lm-eval task yamls (dataset_path: json)
-    ckpt: str = ''                # checkpoint from train.py/convert.py, HF folder, .gguf file or hub name
+    ckpt: str = ''                # train.py checkpoint or out_dir, convert.py folder, HF folder or hub name, .gguf file
     tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the model's own
     data: str = ''                # input data (see each report)
     out_dir: str = 'out/eval'     # where JSON (and PNG) results go

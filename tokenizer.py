@@ -2,14 +2,10 @@
 
     tok = load_tokenizer(source)   # 'bytes', 'gpt2' (tiktoken), a HF folder, a .gguf file, or a spec (to_spec)
     ids = tok.encode(text)         # list[int], nothing added; special tokens in the text only if special=True
-    text = tok.decode(ids)
     ids, types = tok.encode_pair(a, b, max_len)   # classifier input: [CLS] a [SEP] b [SEP], or eos for both
-    tok.name, tok.vocab_size, tok.eos_id (or None), tok.encode_array(text) (int64 numpy)
+    tok.decode(ids), tok.name, tok.vocab_size, tok.eos_id (or None), tok.encode_array(text) (int64 numpy)
     tok.to_spec(), tok.fingerprint # JSON that rebuilds it offline (checkpoints store it), and its sha256
     tok = resolve(model, source)   # for a model: source if given, else its own, else by vocab_size; must fit
-
-Training from scratch uses 'bytes': one model everywhere ('gpt2' needs tiktoken's downloaded files, else an error).
-`HFTokenizer` wraps HF `tokenizers`: a tokenizer.json, a BERT vocab.txt, or a GGUF file's byte-level BPE.
 """
 import base64
 import hashlib
@@ -25,14 +21,14 @@ class TokenizerError(ValueError):
 
 class Tokenizer:
     """The common interface: name, vocab_size, eos_id, spec, encode, decode."""
-    cls_sep = None               # (CLS, SEP) ids of a classifier input; None: eos_id for both
+    cls_sep = (None, None)       # (CLS, SEP) ids of a classifier input; without both, eos_id for both
 
     def encode_array(self, text):
         return np.asarray(self.encode(text), dtype=np.int64)
 
     def encode_pair(self, a, b=None, max_len=512):
         """CLS a SEP (b SEP), token types 0 for a, 1 for b, cut to max_len as HF's 'longest_first' cuts."""
-        cls, sep = self.cls_sep or (self.eos_id, self.eos_id)
+        cls, sep = self.cls_sep if None not in self.cls_sep else (self.eos_id, self.eos_id)
         if sep is None:
             raise TokenizerError(f"tokenizer {self.name} has no end-of-text token to build classifier input")
         ia, ib = self.encode(a), (self.encode(b) if b is not None else [])
@@ -82,7 +78,6 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids):
         return self.enc.decode([int(i) for i in ids])
 
-
 # Split regexes by GGUF `tokenizer.ggml.pre`, from llama.cpp's llama-vocab.cpp; 'default' (none given) is GPT-2's.
 _GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # smollm: every digit first, then GPT-2's regex on each stretch between digits (HF: Digits(individual_digits)
@@ -95,8 +90,7 @@ PRE_TOKENIZERS = {'default': _GPT2_PAT, 'gpt2': _GPT2_PAT, 'smollm': _SMOLLM_PAT
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4     # GGUF tokenizer.ggml.token_type values used here
 
 class HFTokenizer(Tokenizer):
-    """A `tokenizers.Tokenizer`; its spec is the tokenizer's JSON. Special tokens in the text are encoded as
-    text unless special=True; classifier pairs are framed by the vocabulary's [CLS] and [SEP] if it has them."""
+    """HF `tokenizers` (tokenizer.json, BERT vocab.txt, GGUF byte-level BPE); its spec is the tokenizer's JSON."""
 
     def __init__(self, json_str, name, eos_id=None):
         self.spec = {'kind': 'tokenizers', 'name': name, 'eos_id': eos_id, 'json': json_str}
@@ -104,8 +98,7 @@ class HFTokenizer(Tokenizer):
         self.tk.no_truncation()     # some tokenizer.json files truncate (MiniLM: 128 tokens); we never do
         self.tk.no_padding()
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
-        cls_sep = (self.tk.token_to_id('[CLS]'), self.tk.token_to_id('[SEP]'))
-        self.cls_sep = cls_sep if None not in cls_sep else None
+        self.cls_sep = (self.tk.token_to_id('[CLS]'), self.tk.token_to_id('[SEP]'))
 
     def encode(self, text, special=False):
         self.tk.encode_special_tokens = not special
@@ -116,8 +109,7 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_folder(cls, folder):
-        """tokenizer.json, else a BERT vocab.txt (lower-cased unless tokenizer_config.json says otherwise). eos_id:
-        tokenizer_config.json's eos_token, else '<|endoftext|>' if any; name: 'hf:' + tokenizer_class or model type."""
+        """tokenizer.json, else a BERT vocab.txt; tokenizer_config.json's do_lower_case, eos_token and class if any."""
         path, config = os.path.join(folder, '{}'), {}
         if os.path.isfile(path.format('tokenizer_config.json')):
             with open(path.format('tokenizer_config.json')) as f:
@@ -131,8 +123,7 @@ class HFTokenizer(Tokenizer):
             tk.pre_tokenizer, tk.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
             tk.add_special_tokens([t for t in ('[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]') if t in tk.get_vocab()])
         else:
-            raise TokenizerError(f"{folder} has no tokenizer.json or vocab.txt (write one with transformers: "
-                                 "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))")
+            raise TokenizerError(f"{folder} has no tokenizer.json or vocab.txt (save_pretrained writes one)")
         eos = config.get('eos_token') or '<|endoftext|>'
         eos = eos['content'] if isinstance(eos, dict) else eos
         return cls(tk.to_str(), f"hf:{config.get('tokenizer_class') or type(tk.model).__name__}", tk.token_to_id(eos))
@@ -171,7 +162,6 @@ def has_tokenizer_files(folder):
     return any(os.path.isfile(os.path.join(folder, f)) for f in ('tokenizer.json', 'vocab.txt'))
 
 def load_tokenizer(source):
-    """'bytes', 'gpt2' (tiktoken), a HuggingFace folder, a .gguf file, or a spec dict (to_spec)."""
     kind = source.get('kind') if isinstance(source, dict) else None
     if source == 'bytes' or kind == 'byte':
         return ByteTokenizer()
@@ -189,9 +179,8 @@ def load_tokenizer(source):
             import tiktoken
             return TiktokenTokenizer(tiktoken.get_encoding('gpt2'))
         except Exception as e:  # not installed, or offline without tiktoken's cached files
-            raise TokenizerError(f"tokenizer 'gpt2' (tiktoken) cannot be loaded: its files are not cached and cannot "
-                                 f"be downloaded ({type(e).__name__}); pass another: 'bytes', a HuggingFace folder "
-                                 "or a .gguf file") from None
+            raise TokenizerError(f"tokenizer 'gpt2' (tiktoken) cannot be loaded ({type(e).__name__}: its files are not "
+                                 "cached, nor downloadable); pass 'bytes', a HF folder or a .gguf file") from None
     if str(source).endswith('.gguf') and os.path.isfile(source):
         import gguf
         return HFTokenizer.from_gguf(gguf.GGUFReader(source))
@@ -200,13 +189,11 @@ def load_tokenizer(source):
     raise TokenizerError(f"tokenizer {source!r}: not 'bytes', 'gpt2', a HuggingFace folder or a .gguf file")
 
 def resolve(model, source=None):
-    """The tokenizer for `model`: `source` if given, else the model's own, else the project tokenizer of its
-    vocab_size (257: bytes; 50257, 50304: gpt2). One whose ids pass the model's vocabulary is an error."""
+    """The tokenizer for `model`: `source` if given, else its own, else the project tokenizer of its vocab_size."""
     V, tok = model.config.vocab_size, load_tokenizer(source) if source else model.tokenizer
     if tok is None and V not in (257, 50257, 50304):
         raise TokenizerError(f"the model carries no tokenizer and its vocab_size {V} is not that of a project "
-                             "tokenizer (bytes 257, gpt2 50257/50304): pass --tokenizer PATH (the model's "
-                             "HuggingFace folder or .gguf file)")
+                             "tokenizer (bytes 257, gpt2 50257/50304): pass --tokenizer (its HF folder or .gguf file)")
     try:
         tok = tok or load_tokenizer('bytes' if V == 257 else 'gpt2')
     except TokenizerError as e:
