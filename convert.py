@@ -6,11 +6,11 @@ then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension select
     python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...   (README recipe)
     python convert.py --report runs/a,runs/b            # the summary table of several conversions
 
-The pipeline (`run`), each step a function below:
+The pipeline (`run`):
     teacher = model.load(init_from)         our ckpt.pt, a HF folder or hub name, or a .gguf file
     select_feature_dims                     optional: per-layer feature dims from the degrees of freedom (DoF)
     swap                                    new attention cores on --layers; q/k/v/o and everything else kept
-    calibrate                               data-dependent init: LLN's moments, the 'mix' window share
+    core.calibrate (attention.py)           data-dependent init: LLN's moments, the 'mix' window share
     transfer  (stage 1)                     only the cores train, each layer on its teacher's own q, k, v
     finetune  (stage 2)                     LoRA on q/k/v/o (or every weight) with the task loss
     model.save(out_dir/ckpt.pt, base=...)   only the new tensors; model.load(out_dir) rebuilds the rest
@@ -32,7 +32,6 @@ import torch
 
 import attention as A
 import model as M
-import tokenizer as tokenizer_lib
 import train
 
 LORA_LR, FULL_LR = 1e-3, 3e-4   # stage-2 learning rates (LoRA, full finetune)
@@ -44,8 +43,7 @@ class ConvertConfig:
     init_from: str = 'gpt2'       # the teacher: our checkpoint, a HF folder or hub name, or a .gguf file
     tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the teacher's own
     attn: str = 'hedgehog'        # the student's attention: hedgehog, lolcats:window=64:sinks=4, dof:feature_dim=64,
-                                  # softmax:window=64 (no linear part); softmax = the control run: stage 2 on the
-                                  # teacher itself
+                                  # softmax:window=64 (no linear part); softmax: the control run, stage 2 on the teacher
     layers: str = 'all'           # layers to convert: all | 0,2,5 | 0-3 | -1
     task: Literal['lm', 'glue'] = 'lm'   # lm: next-token loss, perplexity; glue: a BERT classifier, its metric
     data: str = '../shared/data/tinyshakespeare/input.txt'   # text (as train.py reads it), or the GLUE folder
@@ -118,16 +116,13 @@ def parse_layers(spec, n_layer):
 
 # ----------------------------------------------------------------------------------------------------
 # DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec. 4.2)
-#
 # Per head: J points drawn from the pooled teacher queries and keys (after RoPE), the kernel Gram matrix
 # divided by J, N_lambda = tr(S/J (S/J + lambda I)^-1); layer DoF = max over heads; M_s = C N_s / mean N_s,
 # so the mean cost is C.  The paper gives no J: we use 256.  DoF + Clip clamps M_s at the head size.
-
 DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1; 2^-8 for Pythia-1B)
 
 def exp_gram(x: torch.Tensor) -> torch.Tensor:
     """S / J: the softmax kernel's Gram matrix [exp(x_i . x_j / sqrt D)] of x (J, D), divided by J (float64).
-
     Sec. 3.1 defines DoF as tr(Sigma (Sigma + lambda I)^-1) of the kernel's integral operator Sigma; the
     eigenvalues of S / J estimate Sigma's, so its DoF converges as J grows.  Algorithm 1 writes the Gram matrix
     S itself: our departure.  Undivided, tr(S (S + lambda I)^-1) is the divided DoF at lambda / J, which drifts
@@ -153,13 +148,10 @@ def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256
 
 def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1) -> list[int]:
     """Per-layer feature dimensions M_s = C dof_s / mean(dof) (Algorithm 1, last line; C = `budget`).
-
     Ours: the mean is exact (the paper rounds each layer on its own): shares below min_dim are raised to it,
     the others share the rest in proportion, rounded by largest remainder so the dims sum to round(C L).
     clip: DoF + Clip (Sec. 4.2, at the head size): then clamped, nothing redistributed (mean cost < C)."""
     dofs, L = [float(d) for d in dofs], len(dofs)
-    if L == 0:
-        return []
     if budget <= 0:
         raise ValueError(f'budget must be > 0, got {budget}')
     if any(d < 0 or not math.isfinite(d) for d in dofs):
@@ -190,10 +182,8 @@ def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_G
                         clip: int | None = None, unit: int = 1, seed: int = 0, verbose: bool = True):
     """DoF Algorithm 1 (+ Clip): layer_qk {layer: (q, k)}, q, k (H, M, D) teacher queries/keys after RoPE.
     unit: feature dims come in multiples of it (hedgehog's F is 2 x its MLP outputs: those are allocated);
-    every layer gets at least 2. Returns (dims {layer: int}, table: a dict per layer, with a clip also the
-    'unclipped' dim)."""
-    g = torch.Generator().manual_seed(seed)
-    layers = sorted(layer_qk)
+    every layer gets at least 2. -> (dims {layer: int}, a table row per layer (with a clip: its 'unclipped' dim))."""
+    layers, g = sorted(layer_qk), torch.Generator().manual_seed(seed)
     per_head = [head_dofs(*layer_qk[l], lam, n_samples, g) for l in layers]
     layer_dof = [max(d) for d in per_head]
     alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit, clip=c and c // unit,
@@ -269,17 +259,18 @@ def transfer_loss(core, q, k, v, mask, weights):
 # ----------------------------------------------------------------------------------------------------
 # data and evaluation
 
-def _forward(model, batch):
-    """The hidden states of a batch: (x, y) of text, or (idx, mask, token types, labels) of GLUE."""
-    glue = len(batch) == 4
-    return model.hidden_states(batch[0], attention_mask=batch[1] if glue else None,
-                               token_type_ids=batch[2] if glue else None)
+@torch.no_grad()
+def _teacher_qkv(model, batch, layers, device):
+    """{layer: (q, k, v, key mask)} (model.capture_qkv) as the teacher runs on a text (x, y) or a GLUE batch."""
+    x, mask, types = (t.to(device) for t in batch[:3]) if len(batch) == 4 else (batch[0].to(device), None, None)
+    with model.capture_qkv(layers, teacher=True) as rec:
+        model.hidden_states(x, attention_mask=mask, token_type_ids=types)
+    return rec
 
 def load_task(cfg, model):
     """train.Task with the teacher's tokenizer: --data's text (held out: --val_data or its last 10 %), or the
     GLUE task's train and dev sets."""
-    tok = model.tokenizer = tokenizer_lib.resolve(model, cfg.tokenizer or None)
-    print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}", flush=True)
+    tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (resolve: its ids fit the model)
     tcfg = SimpleNamespace(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data, glue_task=cfg.glue_task,
                            seq_len=min(cfg.block_size, model.config.block_size), batch_size=cfg.batch_size,
                            seed=cfg.seed, val_fraction=0.1)
@@ -288,10 +279,6 @@ def load_task(cfg, model):
         task.splits = {'train': tok.encode_array(train.load_text(cfg.data)),
                        'val': tok.encode_array(train.load_text(cfg.val_data))}
         task.size = {k: len(d) - tcfg.seq_len - 1 for k, d in task.splits.items()}
-    top = max(int(s.max()) for s in task.splits.values()) if cfg.task == 'lm' else 0
-    if top >= model.config.vocab_size:
-        raise ValueError(f"the tokenizer ({tok.name}) produced id {top} but the model has vocab_size "
-                         f"{model.config.vocab_size}")
     return task
 
 @torch.no_grad()
@@ -310,23 +297,15 @@ def evaluate(model, module, task, cfg, rt, layers):
     cores, kl, mse = model.attention_cores(), {l: 0.0 for l in layers}, {l: 0.0 for l in layers}
     batches = [task.batch('val', s) for s in task.eval_batches('val', FIDELITY_BATCHES)] if layers else []
     for b in batches:
-        with model.capture_qkv(layers, teacher=True) as rec:
-            _forward(model, tuple(t.to(rt.device) for t in b))
+        rec = _teacher_qkv(model, b, layers, rt.device)
         for l in layers:
             q, k, v, mask = rec[l]
             w_t, y_t = _teacher(cores[l], q, k, v, mask)
             kw = {} if mask is None else {'key_padding_mask': mask}
             kl[l] += float(_row_mean(A.kl_divergence(w_t, cores[l].weights(q, k, **kw)), mask)) / len(batches)
             mse[l] += float(_row_mean((cores[l](q, k, v, **kw) - y_t).square().mean(-1), mask)) / len(batches)
-    out['kl_layers'], out['mse_layers'] = kl, mse
-    out['kl_mean'], out['mse_mean'] = sum(kl.values()) / max(len(kl), 1), sum(mse.values()) / max(len(mse), 1)
-    return out
-
-def _print(name, rec):
-    q = rec.get('quality') or {}
-    print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats ["
-          + ' '.join(f"L{l}={v:.3f}" for l, v in rec['kl_layers'].items()) + f"], output MSE {rec['mse_mean']:.4g}"
-          + ''.join(f" | {k} {v:.4g}" for k, v in q.items() if isinstance(v, float)), flush=True)
+    return dict(out, kl_layers=kl, mse_layers=mse, kl_mean=sum(kl.values()) / max(len(kl), 1),
+                mse_mean=sum(mse.values()) / max(len(mse), 1))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -338,14 +317,13 @@ def teacher_qk(model, batches, layers, rt):
     padded batches: their real tokens as one sequence, (1, H, N, D)."""
     qs = {l: ([], []) for l in layers}
     for b in batches:
-        with model.capture_qkv(layers, teacher=True) as rec:
-            _forward(model, tuple(t.to(rt.device) for t in b))
+        rec = _teacher_qkv(model, b, layers, rt.device)
         for l in layers:
             q, k, _, mask = rec[l]
             for i, x in enumerate((q.float(), k.float())):
                 qs[l][i].append(x if mask is None else x.transpose(1, 2)[mask.bool()].transpose(0, 1)[None])
-    return {l: (torch.cat(q, dim=2 if len(batches[0]) == 4 else 0), torch.cat(k, dim=2 if len(batches[0]) == 4 else 0))
-            for l, (q, k) in qs.items()}
+    dim = 2 if len(batches[0]) == 4 else 0   # GLUE: all the batches' real tokens as one sequence
+    return {l: (torch.cat(q, dim), torch.cat(k, dim)) for l, (q, k) in qs.items()}
 
 def swap(model, cfg, layers, qk):
     """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k)."""
@@ -361,13 +339,6 @@ def swap(model, cfg, layers, qk):
     for l, s in specs.items():
         model.set_attention(s, [l])
     return out
-
-@torch.no_grad()
-def calibrate(model, layers, qk):
-    """LLN's moment matching and the 'mix' window share s, from the teacher's q, k (attention.Attention.calibrate)."""
-    cores = model.attention_cores()
-    for l in layers:
-        cores[l].calibrate(*qk[l])
 
 def _stage_cfg(cfg, iters, lr):
     """What train.fit reads: this stage's steps and its constant learning rate (no warmup, no weight decay)."""
@@ -389,8 +360,7 @@ def transfer(model, task, cfg, rt, layers):
     cores = model.attention_cores()
 
     def loss_fn(net, batch):
-        with torch.no_grad(), model.capture_qkv(layers, teacher=True) as rec:
-            _forward(model, batch)   # (one process: stage 1 does not run under DDP)
+        rec = _teacher_qkv(model, batch, layers, rt.device)   # (one process: stage 1 does not run under DDP)
         return sum(transfer_loss(cores[l], *rec[l], cfg.weights) for l in layers) / len(layers)
     model.eval()   # no dropout in the teacher; the students' parameters still get gradients
     out = train.fit(model, params, loss_fn, task.next_batch, _stage_cfg(cfg, cfg.stage1_iters, cfg.lr), rt,
@@ -448,29 +418,28 @@ def run(cfg):
         qk = teacher_qk(model, calib, layers, rt)
         summary.update(swap(model, cfg, layers, qk))
         model.to(rt.device)
-        calibrate(model, layers, qk)
+        for l in layers:   # LLN's moment matching and the 'mix' window share, from the teacher's q, k
+            model.attention_cores()[l].calibrate(*qk[l])
         summary['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap, 'feature_dim', 0) for l in layers}
-    stages = summary['stages']
     for name, step in (('swap', None), ('stage1', lambda: transfer(model, task, cfg, rt, layers)),
                        ('stage2', lambda: finetune(model, module, task, cfg, rt))):
         fit = step() if step else {}
         if fit is None:
             continue
-        stages[name] = dict(fit, **evaluate(model, module, task, cfg, rt, layers))
-        _print(name, stages[name])
+        rec = summary['stages'][name] = dict(fit, **evaluate(model, module, task, cfg, rt, layers))
+        print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats ["
+              + ' '.join(f"L{l}={v:.3f}" for l, v in rec['kl_layers'].items()) + f"], output MSE {rec['mse_mean']:.4g}"
+              + ''.join(f" | {k} {v:.4g}" for k, v in (rec.get('quality') or {}).items() if isinstance(v, float)),
+              flush=True)
     full = cfg.stage2_iters and not cfg.lora_rank
-    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else _base_name(cfg.init_from),
-           keep=('classifier.',))
+    base = os.path.abspath(cfg.init_from) if os.path.exists(cfg.init_from) else cfg.init_from   # or a hub name
+    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base, keep=('classifier.',))
     summary['seconds'] = round(time.time() - t_start, 1)
     with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
         json.dump(summary, f, indent=2, default=str)
     os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'), os.path.join(cfg.out_dir, 'summary.json'))
     print(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)", flush=True)
     return summary
-
-def _base_name(init_from):
-    """How the saved checkpoint names its base: an absolute path, or the hub name."""
-    return os.path.abspath(init_from) if os.path.exists(init_from) else init_from
 
 def unigram_loss(train_ids, val_ids, vocab_size):
     """Held-out cross-entropy (nats/token) of an add-one unigram model of the training tokens: the
@@ -488,20 +457,19 @@ def report(dirs):
     (L_unigram - L_teacher), the share of the teacher's gain over a unigram model) and wall time."""
     rows = ['| run | attn | teacher | swap | stage 1 | stage 2 | KL swap | KL stage 1 | KL stage 2 | '
             'recovery s1 % | recovery s2 % | time |', '|' + '---|' * 12]
+    fmt = lambda x, spec: '-' if x is None else format(x, spec)
     for d in dirs:
         with open(os.path.join(d, 'summary.json')) as f:
             s = json.load(f)
-        st, fmt = s['stages'], lambda x, spec: '-' if x is None else format(x, spec)
-        quality = lambda q: fmt((q or {}).get('ppl', (q or {}).get('dev_main')), '.4g')
-        kl = [fmt((st.get(n) or {}).get('kl_mean'), '.3f') for n in ('swap', 'stage1', 'stage2')]
-        rec = []
-        for n in ('stage1', 'stage2'):
-            q, t, u = (st.get(n) or {}).get('quality'), s.get('teacher'), s.get('unigram')
-            rec.append(fmt(100 * (u - q['nll']) / (u - t['nll']) if q and u and 'nll' in q and u > t['nll']
-                           else None, '.1f'))
-        rows.append(f"| {os.path.basename(os.path.normpath(d))} | {s['attn']} | {quality(s.get('teacher'))} | "
-                    + ' | '.join(quality((st.get(n) or {}).get('quality')) for n in ('swap', 'stage1', 'stage2'))
-                    + f" | {' | '.join(kl)} | {' | '.join(rec)} | {s['seconds']:.0f} s |")
+        t, u = s.get('teacher'), s.get('unigram')
+        st = [s['stages'].get(n) or {} for n in ('swap', 'stage1', 'stage2')]
+        quality = [t] + [x.get('quality') for x in st]   # ppl or the GLUE metric: teacher, swap, stage 1, stage 2
+        cells = [fmt((q or {}).get('ppl', (q or {}).get('dev_main')), '.4g') for q in quality]
+        cells += [fmt(x.get('kl_mean'), '.3f') for x in st]
+        cells += [fmt(100 * (u - q['nll']) / (u - t['nll']) if q and u and 'nll' in q and u > t['nll'] else None, '.1f')
+                  for q in quality[2:]]   # recovery after stages 1 and 2
+        name = os.path.basename(os.path.normpath(d))
+        rows.append(f"| {name} | {s['attn']} | {' | '.join(cells)} | {s['seconds']:.0f} s |")
     return '\n'.join(rows)
 
 def main(argv=None):

@@ -8,11 +8,9 @@ Train a small GPT whose attention is softmax or a linear feature map (attention.
     python train.py --compare softmax,hedgehog,elu,exp:t=2 --ar_vocab 128 --max_iters 2000
     torchrun --nproc_per_node=2 train.py ...         # DDP (NCCL on GPUs, gloo on CPU)
 
-In reading order: `parse_config` (dataclass -> argparse, for convert.py too) and TrainConfig; data:
-associative recall (Hedgehog App. B.1, zoology's MQAR), text and `perplexity`, GLUE, attention entropy (Hedgehog
-Fig. 4); `fit`, the one training loop (convert.py's too); `train`: config -> data -> model -> fit -> metrics.
-
-Scratch models differ from nanoGPT's as measured (README): a 2-tap causal conv on the keys (--short_conv, H3 / Based),
+In reading order: `parse_config`, TrainConfig; data: associative recall (Hedgehog App. B.1, zoology's MQAR), text
+and `perplexity`, GLUE, attention entropy (Hedgehog Fig. 4); `fit`, the one loop (convert.py's too); `train`. Scratch
+models differ from nanoGPT's as measured (README): a 2-tap causal conv on the keys (--short_conv, H3 / Based),
 without which no linear map learned recall; N(0, 1) embeddings, N(0, 0.08) weights, an untied head (--init wide).
 """
 
@@ -54,9 +52,7 @@ GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 =
     'qqp': (('question1',), ('question2',), 2), 'mnli': (('premise', 'sentence1'), ('hypothesis', 'sentence2'), 3),
     'qnli': (('question',), ('sentence',), 2), 'rte': (('sentence1',), ('sentence2',), 2)}
 
-
-# -----------------------------------------------------------------------------
-# the command line: a dataclass whose fields are the flags
+# ---- the command line: a dataclass whose fields are the flags ----------------
 
 def _comments(cls):
     """{field: its comment in cls's source, continued on comment-only lines aligned with it}: the flags' help."""
@@ -73,35 +69,27 @@ def _comments(cls):
     return helps
 
 def parse_config(cls, argv=None, doc=None):
-    """argv -> (a `cls` instance, the names of the fields given explicitly), for a dataclass with defaults
-    (TrainConfig, convert.py's ConvertConfig). `--name value` or `--name=value`; a bool is `--name` / `--no_name`;
-    a Literal[...] takes only its values; a list[...] field is a repeatable flag; help: the field's comment, `doc`
-    heads --help. A bad value, an unknown flag or a ValueError from __post_init__ (checks across fields) is a
-    one-line error and exit status 2. Used by train.py, convert.py and eval.py."""
+    """argv -> (a `cls` instance, the names of the fields given explicitly), for the config dataclasses of train.py,
+    convert.py and eval.py. `--name value` or `--name=value`; a bool is `--name` / `--no_name`; a Literal[...] takes
+    only its values; a list[...] field is a repeatable flag; help: the field's comment, `doc` heads --help. A bad
+    value, an unknown flag or a ValueError from __post_init__ (checks across fields): one line, exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     helps, types = _comments(cls), get_type_hints(cls)
     fmt = type('Help', (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter), {})
     p = argparse.ArgumentParser(description=doc, formatter_class=fmt, allow_abbrev=False)
-
-    def error(msg):   # one line, without argparse's usage block
-        print(f"{p.prog}: error: {msg}", file=sys.stderr)
-        raise SystemExit(2)
-    p.error = error
+    p.error = lambda msg: p.exit(2, f"{p.prog}: error: {msg}\n")   # one line, without argparse's usage block
     for f in fields(cls):
         t, h = types[f.name], (helps.get(f.name) or f.name).replace('%', '%%')
         if t is bool:
             p.add_argument('--' + f.name, action='store_true', default=f.default, help=f"{h}; --no_{f.name}: off")
             p.add_argument('--no_' + f.name, dest=f.name, action='store_false', help=argparse.SUPPRESS)
         elif get_origin(t) is list:   # a repeatable flag
-            p.add_argument('--' + f.name, action='append', type=get_args(t)[0], default=None, help=h)
+            p.add_argument('--' + f.name, action='append', type=get_args(t)[0], default=[], help=h)
         else:
             choices = get_args(t) if get_origin(t) is Literal else None
             p.add_argument('--' + f.name, type=type(choices[0]) if choices else t, choices=choices,
                            default=f.default, help=h)
-    ns = p.parse_args(argv)
-    for f in fields(cls):
-        if get_origin(types[f.name]) is list and getattr(ns, f.name) is None:   # a repeatable flag not given
-            setattr(ns, f.name, [])
+    ns = p.parse_args(argv)   # (argparse appends to a copy of a list default)
     try:
         cfg = cls(**vars(ns))
     except ValueError as e:
@@ -128,11 +116,10 @@ class TrainConfig:
     short_conv: int = 2           # scratch causal models: taps of a causal conv on the keys (0 = none; model.py)
     attn: str = 'hedgehog'        # softmax or a feature map, with options: exp:t=2, hedgehog:feature_dim=64,
                                   # lolcats:window=64:combine=mix, lln:diag_block=16, elu:impl=recurrent
-    # optimisation: AdamW, warmup then cosine decay to lr/10 at max_iters, gradient clipping at norm 1 (constants)
     max_iters: int = 1000
     batch_size: int = 32          # per process, per micro-step
     grad_accum: int = 1           # micro-steps per optimizer step, over all processes (DDP divides it)
-    lr: float = 3e-3
+    lr: float = 3e-3              # AdamW; warmup, then cosine decay to lr/10 at max_iters; gradient clipping at 1
     warmup_iters: int = 100
     weight_decay: float = 0.1
     eval_interval: int = 250      # evaluate and write out_dir/ckpt.pt every this many steps and at the end
@@ -152,9 +139,7 @@ class TrainConfig:
         if self.device not in ('auto', 'cpu', 'cuda') and not self.device.startswith('cuda:'):
             raise ValueError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
 
-
-# -----------------------------------------------------------------------------
-# associative recall (Hedgehog App. B.1; zoology's multi-query variant)
+# ---- associative recall (Hedgehog App. B.1; zoology's multi-query variant) ----
 
 def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label_repeats=False):
     """n sequences (x, y), LongTensors (n, seq_len). Keys are tokens 0..vocab/2-1, values vocab/2..vocab-1;
@@ -184,15 +169,12 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
             seen[rows, keys[:, i]] = True
     return x, y
 
-
-# -----------------------------------------------------------------------------
-# text: tokenizer, data, perplexity
+# ---- text: tokenizer, data, perplexity ---------------------------------------
 
 def get_tokenizer(name='', model=None, verbose=True):
     """A run's tokenizer: `name` ('bytes', 'gpt2', a HF folder or .gguf file) if given, else `model`'s own
     (tokenizer.resolve: checked to fit it), else bytes -- from scratch, one command, one model on every machine."""
-    tok = tokenizer_lib.resolve(model, name or None) if model is not None else \
-        tokenizer_lib.load_tokenizer(name or 'bytes')
+    tok = tokenizer_lib.load_tokenizer(name or 'bytes') if model is None else tokenizer_lib.resolve(model, name or None)
     if verbose:
         print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}")
     return tok
@@ -213,9 +195,8 @@ def load_text(path_or_name, split='train'):
         import datasets
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:
-        raise ValueError(f"{path_or_name!r} is not a local file or folder, and loading it with datasets."
-                         f"load_dataset failed ({type(e).__name__}: {str(e)[:200]}); offline, pass a local text "
-                         "file or folder with --data") from None
+        raise ValueError(f"{path_or_name!r} is not a local file or folder, and datasets.load_dataset failed "
+                         f"({type(e).__name__}: {str(e)[:200]}); offline, pass a local text file or folder") from None
     return '\n'.join(ds['text' if 'text' in ds.column_names else ds.column_names[0]])
 
 def text_splits(cfg, tok):
@@ -239,22 +220,17 @@ def ppl_windows(n_tokens, context, stride):
     ids[begin:end], targets ids[begin+1:end+1], of which only the last n_new are scored (each once)."""
     if stride < 1 or context < 1 or stride > context:
         raise ValueError(f'need 1 <= stride <= context (got context={context}, stride={stride})')
-    m, out, prev = n_tokens - 1, [], 0
-    for b in range(0, m, stride):   # stride <= context: each window ends past the one before
-        e = min(b + context, m)
-        out.append((b, e, e - prev))
-        if e == m:
-            break
-        prev = e
-    return out
+    m = n_tokens - 1
+    ends = [min(b + context, m) for b in range(0, m, stride)]   # stride <= context: each ends past the one before
+    ends = ends[:ends.index(m) + 1] if ends else []              # up to the first window that reaches the end
+    return [(b, e, e - prev) for b, e, prev in zip(range(0, m, stride), ends, [0] + ends)]
 
 @torch.no_grad()
 def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
     """Token-weighted mean NLL of a causal LM over the next-token predictions of ids, in sliding windows of
-    `context` tokens moved by `stride` (HF style). The first token is never scored: nothing is prepended, it
-    is only context, so n tokens give n-1 predictions. Every other token is scored once, given the up to
-    `context` tokens before it in its window (after the first window, at least context - stride + 1).
-    -> {'nll', 'ppl': exp(nll), 'tokens_scored', 'windows', 'context', 'stride'}"""
+    `context` tokens moved by `stride` (HF style). The first token is only context (nothing is prepended): n tokens
+    give n-1 predictions, each scored once, given the up to `context` tokens before it in its window (after the
+    first window, at least context - stride + 1). -> {'nll', 'ppl', 'tokens_scored', 'windows', 'context', 'stride'}"""
     ids = torch.as_tensor(ids, dtype=torch.long)
     windows = ppl_windows(ids.numel(), context, stride)
     if not windows:
@@ -273,9 +249,7 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
     return {'nll': nll, 'ppl': math.exp(nll), 'tokens_scored': total, 'windows': len(windows),
             'context': context, 'stride': stride}
 
-
-# -----------------------------------------------------------------------------
-# GLUE: files, metrics, the classifier
+# ---- GLUE: files, metrics, the classifier ------------------------------------
 
 GLUE_LABELS = ('label', 'gold_label', 'is_duplicate', 'score', 'quality')
 NLI_LABELS = {'entailment': 0, 'neutral': 1, 'contradiction': 2, 'not_entailment': 1}
@@ -419,9 +393,7 @@ def mean_attention_entropy(model, x, query_positions, batch_size=64):
             ents_q.append(ent[..., query_positions].flatten())
     return torch.cat(ents).mean().item(), torch.cat(ents_q).mean().item()
 
-
-# -----------------------------------------------------------------------------
-# the training loop
+# ---- the training loop -------------------------------------------------------
 
 def _fmt_time(s):
     s = int(round(s))
@@ -509,33 +481,29 @@ class NonFiniteLoss(RuntimeError):
         kept = f"the last good checkpoint{'' if saved is True else ' ' + saved} was kept" if saved else \
             "no checkpoint was written"
         super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. Try a lower --lr (now "
-                         f"{cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a numerically stable feature map variant "
-                         "(e.g. hedgehog with its default softmax over the feature dim, lolcats, or --attn softmax "
-                         "to check the setup).")
+                         f"{cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a numerically stable feature map "
+                         "(hedgehog with its softmax over the feature dim, lolcats; --attn softmax checks the setup).")
 
 def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate=None, save=None, resume=None,
         log_name='log.jsonl'):
     """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of convert.py's stages.
-
-    module: on rt.device (rt = setup(cfg): make it first to know the device); its DDP wrapper is made here.
-    params_or_optimizer: an optimizer (lr set each step), or the parameters for AdamW(weight_decay=cfg.weight_decay).
+    module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made here.
+    params_or_optimizer: an optimizer (lr set each step), or parameters for AdamW(weight_decay=cfg.weight_decay).
     loss_fn(net, batch) -> scalar loss; it calls `net` (module or its DDP wrapper), so that DDP syncs gradients.
-    next_batch(gen) -> one micro-batch of CPU tensors (the first holds the tokens counted), drawn with the
-      torch.Generator `gen` only (seeded with cfg.seed, checkpointed): every process draws every micro-batch
-      and takes its share, so the data stream is one for any number of processes.
-    cfg: reads max_iters, grad_accum, lr, warmup_iters, min_lr_ratio, weight_decay, eval_interval, out_dir, seed.
+    next_batch(gen) -> a micro-batch of CPU tensors (the first: the tokens counted), drawn with the generator `gen`
+      only (seeded, checkpointed): every process draws every micro-batch and takes its share (one data stream).
+    cfg: max_iters, grad_accum, lr, warmup_iters, min_lr_ratio, weight_decay, eval_interval, out_dir, seed.
     evaluate() -> {name: float}: on the master, in eval mode, every cfg.eval_interval steps and at the end.
-    save(state) -> path (None: no checkpoints): after each evaluation, write the model and `state` (optimizer,
-      scaler, step, data stream, RNG) atomically; given back as `resume` it continues exactly (the weights are
-      yours to load). log_name: the out_dir file of per-step {'iter', 'loss', 'lr'} rows. The master prints
-      progress lines; a non-finite loss, gradient norm or evaluation raises NonFiniteLoss.
-    -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
+    save(state) -> path (None: no checkpoints): after each evaluation, writes the model and `state` (optimizer,
+      scaler, step, data stream, RNGs); given back as `resume` it continues exactly (you load the weights).
+    log_name: out_dir's per-step {'iter', 'loss', 'lr'} rows. A non-finite loss, gradient norm or evaluation
+      raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
     rt = rt or setup(cfg)
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
     net = nn.parallel.DistributedDataParallel(module) if rt.ddp else module
     os.makedirs(cfg.out_dir, exist_ok=True)
-    t0, cpu0, clock, est, saved = time.time(), time.process_time(), [time.time(), step], {}, resume is not None
+    t0, cpu0, clock, est, saved = time.time(), time.process_time(), (time.time(), step), {}, resume is not None
     with _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else contextlib.nullcontext() as log:
         while step < cfg.max_iters:
             lr = get_lr(cfg, step)
@@ -554,7 +522,12 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
             step += 1
             if rt.master:
                 log.write(json.dumps({'iter': step - 1, 'loss': loss, 'lr': lr}) + '\n')
-                _progress(step, loss, lr, tokens, clock, cfg)
+                if step % max(1, cfg.max_iters // 10) == 0 or step == cfg.max_iters:   # ten progress lines a run
+                    dt = (time.time() - clock[0]) / max(step - clock[1], 1)     # clock: (time, step) of the last one
+                    print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
+                          f"{tokens / max(dt, 1e-9) / 1e3:.1f}k tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}",
+                          flush=True)
+                    clock = time.time(), step
             if rt.master and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
                 log.flush()
                 module.eval()
@@ -571,17 +544,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
     return {'iters': step, 'train_time_s': round(time.time() - t0, 2),
             'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
 
-def _progress(step, loss, lr, tokens, clock, cfg):
-    """A progress line ten times a run and at its last step; clock: [time, step] of the one before."""
-    if step % max(1, cfg.max_iters // 10) == 0 or step == cfg.max_iters:
-        dt = (time.time() - clock[0]) / max(step - clock[1], 1)
-        print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens / max(dt, 1e-9) / 1e3:.1f}k "
-              f"tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}", flush=True)
-        clock[:] = time.time(), step
-
-
-# -----------------------------------------------------------------------------
-# the driver: a task's data and model, fit, the final metrics
+# ---- the driver: a task's data and model, fit, the final metrics -------------
 
 class Task:
     """A run's data: 'train' and 'val' splits of examples (text: window offsets into the token ids), batches
@@ -685,22 +648,21 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
                              tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv, attn=cfg.attn))
 
 def load_init(path, resume=False, **overrides):
-    """The one place train.py loads a model (model.load) -> (model, training state). resume: our checkpoint
-    and the state it holds (no overrides); else a HF folder or hub name, a .gguf file or our checkpoint."""
+    """model.load -> (model, training state): with resume, our checkpoint as saved (no overrides)."""
     return M.load(path, **({} if resume else overrides))
 
 def _model_and_task(cfg, explicit, verbose):
     """(model, task, resume state): resumed from out_dir/ckpt.pt, or loaded from --init_from (its tokenizer
     encodes the data; its attention is kept unless --attn is given), or from scratch (bytes for text/glue)."""
     ckpt, model, state = os.path.join(cfg.out_dir, 'ckpt.pt'), None, None
-    task_labels = glue_num_labels(cfg.glue_task) if cfg.task == 'glue' else 0
     if cfg.resume:
         if not os.path.exists(ckpt):
             raise ValueError(f"--resume but there is no checkpoint {ckpt}")
         model, state = load_init(ckpt, resume=True)
     elif cfg.init_from != 'scratch':
         over = dict({'attn': cfg.attn} if 'attn' in explicit else {}, dropout=cfg.dropout)
-        model, _ = load_init(cfg.init_from, **over, **{'num_labels': task_labels} if task_labels else {})
+        glue = {'num_labels': glue_num_labels(cfg.glue_task)} if cfg.task == 'glue' else {}
+        model, _ = load_init(cfg.init_from, **over, **glue)
     tok = get_tokenizer(cfg.tokenizer, model, verbose) if cfg.task in ('text', 'glue') else None
     task = Task(cfg, tok, verbose)
     if model is None:
@@ -762,8 +724,7 @@ def compare(cfg, explicit=frozenset()):
     for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
         print(f"=== {spec} ===", flush=True)
         out_dir = os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', ''))
-        sub = replace(cfg, attn=spec, compare='', out_dir=out_dir)
-        rows.append((spec, train(sub, set(explicit) | {'attn'})))
+        rows.append((spec, train(replace(cfg, attn=spec, compare='', out_dir=out_dir), set(explicit) | {'attn'})))
     metric = {'ar': 'test_acc', 'mqar': 'test_acc', 'text': 'val_ppl', 'glue': 'dev_main'}[cfg.task]
     lines = [f"| map | {metric} | mean attention entropy (all rows) | at query rows | final train loss | "
              "train time | CPU time |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -784,7 +745,6 @@ def main(argv=None):
     except (NonFiniteLoss, ValueError) as e:  # ValueError: bad data paths, GLUE files, options, tokenizers
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(NONFINITE_EXIT if isinstance(e, NonFiniteLoss) else 2) from None
-
 
 if __name__ == '__main__':
     main()
