@@ -433,9 +433,9 @@ def report_fidelity(args):
             q_.to(args.device), k_.to(args.device)).cpu()}
         for label, spec in specs:
             m = attention.Attention(spec, q.shape[-1], q.shape[1], causal=core.causal, max_len=cfg.block_size)
-            if hasattr(m.fmap, 'calibrate'):   # LLN's sigma_q^2, sigma_k^2 from these q, k, as convert.py does first
-                m.fmap.calibrate(q, k)
-            maps[label + (' (calibrated)' if hasattr(m.fmap, 'calibrate') else ' (untrained)')] = m.weights
+            calibrated = hasattr(m.fmap, 'calibrate') or spec.combine == 'mix'
+            m.calibrate(q, k)   # as convert.py does first: LLN's sigma_q^2, sigma_k^2, the mix form's s
+            maps[label + (' (calibrated)' if calibrated else ' (untrained)')] = m.weights
         stats, weights = fidelity_stats(q, k, maps, core.causal)
         layers.append({'layer': li, 'attn': str(core.spec), 'heads': [
             {'head': h, 'softmax': {m: v[h].item() for m, v in stats['softmax'].items()},
@@ -774,10 +774,12 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     device: str = 'cuda' if torch.cuda.is_available() else 'cpu'   # cpu | cuda | cuda:N
     batch_size: int = 8           # sequences per forward pass: ppl windows, GLUE examples, fidelity/lln samples
     context: int = 0              # tokens per window, 0 = ppl min(block_size, 1024), fidelity min(block_size, 128),
-                                  # lln 256; generate: prompts of N tokens cut from --data (0: one per line)
-    stride: int = 0               # ppl stride (0 = context // 2)
+                                  # lln 256; generate: prompts of N tokens cut from --data (0: one per line);
+                                  # lm_eval: the longest loglikelihood input (0 = block_size)
+    stride: int = 0               # ppl (and lm_eval's rolling windows) stride (0 = context // 2)
     limit: int = 0                # only the first N (0 = all): ppl tokens, GLUE/ROUGE examples, generate prompts
-                                  # (with --context: N passages, default 3)
+                                  # (with --context: N passages, default 3), lm_eval documents per task;
+                                  # passkey: samples per length and depth (default 6)
     max_new_tokens: int = 64      # rouge, generate
     prompt: list[str] = field(default_factory=list)   # generate: a prompt (repeat the flag for several)
     maps: str = ''                # maps against softmax, with options (exp:t=2): bench (default elu), fidelity

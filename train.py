@@ -451,9 +451,9 @@ def _start(params_or_optimizer, cfg, rt, resume):
 
 def _open_log(path, step):
     """out_dir/log.jsonl with the rows before `step` (those of the run resumed), open to append."""
-    rows = [r for r in open(path) if r.strip() and json.loads(r)['iter'] < step] if os.path.exists(path) else []
-    with open(path + '.tmp', 'w') as f:
-        f.writelines(rows)
+    with open(path + '.tmp', 'w') as f, open(path, 'a+') as old:
+        old.seek(0)
+        f.writelines(r for r in old if r.strip() and json.loads(r)['iter'] < step)
     os.replace(path + '.tmp', path)
     return open(path, 'a')
 
