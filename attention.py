@@ -1,11 +1,9 @@
 """
 Attention, softmax and linear, in one file. In reading order:
   1. softmax attention, the reference (Vaswani et al. 2017)
-  2. feature maps phi of four papers -- Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of Freedom (DoF) --
-     and their baselines (1+ELU, ReLU, T2R, Performer, cosFormer, Taylor, exp): FEATURE_MAPS
+  2. feature maps phi (FEATURE_MAPS): Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of Freedom (DoF), baselines
   3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
-  4. linear attention four ways (impl), equal to float32 precision: quadratic (phi(q) phi(k)^T formed), chunked (a
-     carried state, O(T) memory; on CUDA kernels.py's Triton kernel where it fits), recurrent (token by token), triton
+  4. linear attention four ways (impl: quadratic, chunked, recurrent, triton), equal to float32 precision
   5. hybrids: sliding-window softmax + linear (LoLCATs), block-diagonal softmax + linear (LLN+Diag)
   6. Attention, the core of one layer that model.py calls, with its decode states
   7. metrics (entropy, spectral gap, monotonicity, KL) and DoF's kernel loss
@@ -30,8 +28,7 @@ import kernels
 
 EPS = 1e-20  # the denominator's eps, y = num / (den + EPS) in float32: it only guards 0 / 0
 
-def _acc(x):
-    """x in its accumulation dtype: float32, or float64 when given float64 (for float64 reference checks)."""
+def _acc(x):  # the accumulation dtype: float32, or float64 when given float64 (the float64 reference checks)
     return x.double() if x.dtype == torch.float64 else x.float()
 
 def _choose(what, value, choices):
@@ -45,7 +42,6 @@ def _check_qk(q, k, head_dim, n_heads):
         raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got q {tuple(q.shape)}")
 
 # ---- 1. softmax attention, the reference ------------------------------------
-
 def softmax_attention(q, k, v, causal=True, attn_mask=None):
     """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool (B, H, T_q,
     T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
@@ -62,18 +58,16 @@ def softmax_weights(q, k, causal=True):
     return softmax_attention(q.float(), k.float(), eye, causal)
 
 # ---- 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F) ---
-
 class FeatureMap(nn.Module):
-    """Base class. q and k come together (LLN treats them differently; cosFormer needs positions: offset = the
-    absolute position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or,
-    exp-based (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi).
-    Range (a real LLM's queries and keys are large: attention sinks): `features` divides an exp-based phi(q)
-    by exp(c_q) and phi(k) by exp(c_k), detached shifts that cancel in every output. c_q: a query's largest
-    log-feature (a factor of one attention row, gone in its normalisation). c_k: ONE per sequence and head (a
-    per-key shift would re-weight the keys), 0 until the largest key log-feature u passes KEY_RANGE = 60, then
-    u - 60: key features <= e^60 leave float32 room for sums of 1e12 terms. While c_k = 0 no output depends on
-    a later token, bit for bit; past it a causal c_k includes later keys (cancelling exactly, but not in
-    rounding). Decode states carry c_k and raise it, rescaling S and z. phi(q_t).phi(k_s) =
+    """Base class. q and k come together (LLN treats them differently; cosFormer needs positions: offset = the absolute
+    position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or, exp-based
+    (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi). Range (a real LLM's queries and keys
+    are large: attention sinks): `features` divides an exp-based phi(q) by exp(c_q) and phi(k) by exp(c_k), detached
+    shifts that cancel in every output. c_q: a query's largest log-feature (a factor of one attention row, gone in its
+    normalisation). c_k: ONE per sequence and head (a per-key shift would re-weight the keys), 0 until the largest key
+    log-feature u passes KEY_RANGE = 60, then u - 60: key features <= e^60 leave float32 room for sums of 1e12 terms.
+    While c_k = 0 no output depends on a later token, bit for bit; past it a causal c_k includes later keys (cancelling
+    exactly, but not in rounding). Decode states carry c_k and raise it, rescaling S and z. phi(q_t).phi(k_s) =
     exp(c_q_t + c_k) phi_q_t.phi_k_s exactly (the window hybrid uses it). shift=False: no shifts."""
 
     log_domain = False
@@ -100,8 +94,7 @@ class FeatureMap(nn.Module):
         c_k = c_new if c_k is None else torch.maximum(c_k, c_new)
         return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None, None]), c_q, c_k
 
-    def phi(self, x, which, offset):
-        """The exact features of one side."""
+    def phi(self, x, which, offset):  # the exact features of one side
         return torch.exp(self.log_phi(_acc(x), which, offset))
 
 def _per_head_linear(x, weight, bias=None):
@@ -181,8 +174,7 @@ class CosformerFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         T = x.shape[-2]
         if offset + T > self.max_len:
-            raise ValueError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len}; "
-                             f"build the map with a larger max_len (the model's block_size)")
+            raise ValueError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} (set it larger)")
         angle = math.pi / (2 * self.max_len) * torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
         return torch.cat([F.relu(x) * angle.cos()[:, None], F.relu(x) * angle.sin()[:, None]], dim=-1)
 
@@ -267,9 +259,6 @@ def _lln_log_weights(q, k, s2):
     log_k = (torch.exp(math.sqrt(s2 / 2) * q) @ torch.exp(math.sqrt(s2 / 2) * k).transpose(-2, -1)).log()
     return log_k - log_k.logsumexp(-1, keepdim=True)
 
-def _mean_row_entropy(log_w):
-    return -(log_w.exp() * log_w).sum(-1).mean().item()
-
 @functools.lru_cache(maxsize=None)
 def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
     """(a, b) of LLN's variance model sigma_lln^2 = a s~^2 + b, s~^2 = alpha^2 s_q^2 + beta^2 s_k^2 (Nahshan et
@@ -287,14 +276,14 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     than softmax's): for s^2 = 0, 0.5, .., 8 the s~^2 at which LLN's mean row entropy equals softmax's (n_tokens
     keys, q, k ~ N(0, I_D)); LLN's entropy falls monotonically in s~^2. Returns (s^2 grid, s~^2 grid)."""
     q, k = torch.randn(2, reps, n_tokens, head_dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    entropy = lambda log_w: -(log_w.exp() * log_w).sum(-1).mean().item()  # noqa: E731, the mean row entropy
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-    h_sm = torch.tensor([_mean_row_entropy(torch.log_softmax(math.sqrt(s2) * dots, -1)) for s2 in s2_grid.tolist()],
-                        dtype=torch.float64)
+    h_sm = torch.tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()], dtype=torch.float64)
     xs, h_lln = [0.0], [math.log(n_tokens)]  # s~^2 = 0: uniform weights
     while h_lln[-1] > h_sm[-1].item() and xs[-1] < 1000:
         xs.append(xs[-1] + step)
-        h_lln.append(_mean_row_entropy(_lln_log_weights(q, k, xs[-1])))
+        h_lln.append(entropy(_lln_log_weights(q, k, xs[-1])))
     h_lln = torch.tensor(h_lln, dtype=torch.float64)
     if not (h_lln[1:] < h_lln[:-1]).all() or h_lln[-1] > h_sm[-1]:
         raise RuntimeError(f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at s^2 = {s2_max}, "
@@ -317,8 +306,7 @@ def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
         return torch.ones_like(sigma2_q), torch.ones_like(sigma2_k)
     s2 = sigma2_q * sigma2_k
     if match == 'entropy':
-        s2_grid, x_grid = lln_entropy_fit(head_dim)
-        x = _interp(s2, s2_grid.to(s2), x_grid.to(s2))
+        x = _interp(s2, *(grid.to(s2) for grid in lln_entropy_fit(head_dim)))
     else:
         a, b = lln_fit(head_dim)
         x = (s2 - b) / a
@@ -384,13 +372,11 @@ FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureM
 ATTN_CHOICES = ['softmax'] + list(FEATURE_MAPS)
 
 def make_feature_map(name, head_dim, n_heads, **options):
-    """FEATURE_MAPS[name](head_dim, n_heads, **options), the options checked as AttnSpec checks them."""
     _choose('feature map', name, FEATURE_MAPS)
-    AttnSpec(name, options=options)
+    AttnSpec(name, options=options)  # checks the options
     return FEATURE_MAPS[name](head_dim, n_heads, **options)
 
 # ---- 3. the attention choice as one value -----------------------------------
-
 IMPLS = ('quadratic', 'chunked', 'recurrent', 'triton')
 WINDOW_COMBINES = ('joint', 'mix')
 OPTION_ALIASES = {'t': 'temperature', 'f': 'feature_dim'}
@@ -445,13 +431,11 @@ class AttnSpec:
         return cls(name, options=options, **fields_)
 
     def __str__(self):
-        parts = [self.name] + [f'{f.name}={getattr(self, f.name)}' for f in fields(self)[1:-1]
-                               if getattr(self, f.name) != f.default]
-        return ':'.join(parts + [f'{k}={v if isinstance(v, str) else json.dumps(v, default=str)}'
-                                 for k, v in self.options])
+        parts = [f'{f.name}={getattr(self, f.name)}' for f in fields(self)[1:-1] if getattr(self, f.name) != f.default]
+        parts += [f'{k}={v if isinstance(v, str) else json.dumps(v, default=str)}' for k, v in self.options]
+        return ':'.join([self.name] + parts)
 
 # ---- 4. linear attention: quadratic, chunked, recurrent, triton -------------
-
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None):
     """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D), den_t = phi_q_t^T z_t
     (B, H, T) and the final (S, z), float32; S_t, z_t over s <= t (causal) or all s, from initial_state. The
@@ -505,10 +489,8 @@ def linear_attention_weights(phi_q, phi_k, causal=True, eps=EPS):
     return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', eps)
 
 # ---- 5. hybrids: sliding-window softmax + linear (LoLCATs), block-diagonal softmax + linear (LLN+Diag) ---
-
 def _band_blocks(x, w):
-    """(B, H, T, E) -> (B, H, n, 3w, E): for each block of w queries, the keys of the previous, current and
-    next block (zero-padded at the ends), n = ceil(T / w)."""
+    """(B, H, T, E) -> (B, H, n = ceil(T / w), 3w, E): for each block b of w rows, blocks b - 1, b, b + 1 (0-padded)."""
     n = math.ceil(x.shape[2] / w)
     x = F.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
     return x.unfold(2, 3 * w, w).transpose(-1, -2)  # windows of 3w rows every w rows
@@ -536,72 +518,63 @@ def _merge_softmax(a, b):
 def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
     """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
     _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
-      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i)
-            and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are
-            <= gamma, on the kernel's scale (an exact softmax window would outweigh it by exp(m_i), e^20 and
-            more with attention sinks);
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i) and
+            linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are <= gamma, on
+            the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at attention sinks);
       mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
     Masses compare in log space. A row without linear keys is the window part, one without window keys the
-    linear part, 0 with neither. Returns (y float32, p the window part's weight)."""
+    linear part, 0 with neither. Returns y, float32."""
     has_w, has_l = den_w > 0, den_l > 0
     den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
     f = factor.to(den_w.dtype).view(1, -1, *([1] * (den_w.dim() - 2)))  # (1, H, 1..) against (B, H, ..)
     p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log()) if combine == 'joint' else f.expand_as(den_w)
-    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)[..., None]
-    return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None], p[..., 0]
+    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)[..., None]  # the window part's weight
+    return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None]
 
-def window_linear_attention(q, k, v, phi_q, phi_k, c, window, factor, causal=True, key_padding_mask=None,
-                            impl='chunked', chunk_size=64, combine='joint', sinks=0):
-    """Sliding-window softmax + linear attention (LoLCATs-w): softmax over W(i) = {i - window < j <= i} (causal)
-    or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c) phi_q.phi_k, c (B, H, T)).
-    sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink tokens, Xiao et al. 2024), not
-    the linear part. phi_q None: sliding-window softmax alone (with its sinks).
-    O(T window + T F D / chunk) memory: windows in blocks of `window` queries, linear keys shifted `window`."""
-    (B, H, T, D), w = q.shape, window
-    qb = F.pad(_acc(q), (0, 0, 0, math.ceil(T / w) * w - T)).reshape(B, H, -1, w, D)  # (B, H, n, w, D)
-    n = qb.shape[2]
+def window_linear_attention(q, k, v, phi_q, phi_k, c, spec, factor, causal=True, key_padding_mask=None, chunk_size=64):
+    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from spec: softmax over
+    W(i) = {i - window < j <= i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel:
+    exp(c) phi_q.phi_k, c (B, H, T)). sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink tokens,
+    Xiao et al. 2024), not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k: 0 at
+    padding keys. O(T window + T F D / chunk) memory: blocks of `window` queries, linear keys shifted `window`."""
+    (B, H, T, D), w = q.shape, spec.window
+    n, N = math.ceil(T / w), min(spec.sinks, T)
+    qb = F.pad(_acc(q), (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)  # (B, H, n, w, D)
     i = (torch.arange(n, device=q.device) * w)[:, None, None] + torch.arange(w, device=q.device)[:, None]
-    j = (torch.arange(n, device=q.device) * w - w)[:, None, None] + torch.arange(3 * w, device=q.device)
-    visible = (j >= 0) & (j < T) & _in_window(i, j, w, causal)  # (n, w, 3w)
-    if key_padding_mask is not None:
-        keep = _band_blocks(key_padding_mask[:, None, :, None].float(), w)[..., 0] > 0.5  # (B, 1, n, 3w)
-        visible = visible & keep[:, :, :, None, :]
+    j = i[:, :1] - w + torch.arange(3 * w, device=q.device)  # (n, 1, 3w): the previous, this and the next block
+    keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    real = _band_blocks(keys[:, None, :, None].float(), w)[..., 0] > 0.5  # (B, 1, n, 3w): not padding
+    visible = _in_window(i, j, w, causal) & real[:, :, :, None, :]  # (B, 1, n, w, 3w)
     cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
     num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(_acc(k), w), _band_blocks(_acc(v), w), visible))
-    N = min(sinks, T)
     if N:  # the sink keys outside the window: (T, N), with the padding (B, 1, T, N)
         i, j = torch.arange(T, device=q.device)[:, None], torch.arange(N, device=q.device)
-        visible = ~_in_window(i, j, w, causal) & ((i >= j) if causal else True)
-        visible = visible if key_padding_mask is None else visible & key_padding_mask[:, None, None, :N]
+        visible = ~_in_window(i, j, w, causal) & ((i >= j) | (not causal)) & keys[:, None, None, :N]
         num_w, den_w, m = _merge_softmax((num_w, den_w, m), _window_softmax(_acc(q), _acc(k[:, :, :N]),
                                                                             _acc(v[:, :, :N]), visible))
     if phi_q is None:  # no linear part: the softmax part alone (a row with no key gives 0)
-        return combine_window_linear(num_w, den_w, m, 0 * num_w, 0 * den_w, 0 * den_w, den_w.new_ones(H))[0].to(v.dtype)
-    pk = _acc(phi_k) if key_padding_mask is None else _acc(phi_k) * key_padding_mask[:, None, :, None]
-    pk = torch.cat([0 * pk[:, :, :N], pk[:, :, N:]], 2)  # sinks are not in the linear part
+        return combine_window_linear(num_w, den_w, m, 0 * num_w, 0 * den_w, 0 * den_w, den_w.new_ones(H)).to(v.dtype)
+    pk = _acc(phi_k) * (torch.arange(T, device=q.device) >= N)[:, None]  # sinks are not in the linear part
     shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
-    num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, impl, chunk_size)
+    num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, spec.impl, chunk_size)
     if not causal:  # plus the keys j >= i + w: the same, backwards in time
-        num_r, den_r, _ = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, impl,
+        num_r, den_r, _ = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, spec.impl,
                                                  chunk_size)
         num_l, den_l = num_l + num_r.flip(2), den_l + den_r.flip(2)
-    return combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine)[0].to(v.dtype)
+    return combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, spec.combine).to(v.dtype)
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
-    """Softmax attention inside diagonal blocks of `block` tokens (LLN+Diag, Nahshan et al. 2023, Sec. 4.2);
-    the last block may be shorter; causal inside a block when causal=True."""
+    """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al. 2023, Sec. 4.2."""
     B, H, T, D = q.shape
     n, pad = math.ceil(T / block), -T % block  # pad: to a whole number of blocks
     qb, kb, vb = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, t.shape[-1]) for t in (q, k, v))
     keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     mask = F.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
-    if causal:
-        mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
+    mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril() if causal else mask
     mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself: finite
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
 
 # ---- 6. the attention core of one layer -------------------------------------
-
 def _grow(cache, x, n):
     """Write x (B, H, T, D) at positions n, n+1, .. of a KV cache (B, H, capacity, D), doubling the capacity
     when it is full: one copy now and then instead of a copy of the whole cache at every token."""
@@ -627,13 +600,11 @@ class Attention(nn.Module):
             raise ValueError(f"kv_groups must divide n_heads={n_heads}, got {kv_groups}")
         self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
         self.chunk_size, self.teacher = 64, False
-        options = dict(spec.options)
-        if spec.name == 'cosformer' and max_len is not None:
-            options.setdefault('max_len', max_len)
+        options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
+        options.update(spec.options)  # the spec's own max_len wins
         self.fmap = None if spec.name == 'softmax' else FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
-        if spec.window and self.fmap is not None:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197);
-            # mix: s = sigmoid(theta) = 1/2 until calibrate() sets it from the teacher
-            theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0
+        if spec.window and self.fmap is not None:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197)
+            theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0  # mix: s = 1/2 until calibrate() sets it
             self.window_factor = nn.Parameter(torch.full((n_heads,), theta))
 
     attn = property(lambda self: self.spec.name)
@@ -652,9 +623,8 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, q, k):
-        """Initialisation from teacher queries/keys (B, H, T, D): LLN's statistics; the mix form's s = the teacher's
-        mean softmax mass inside the window over the rows that also have keys outside it, exact for an average row
-        (clamped to [1e-4, 1 - 1e-4])."""
+        """Initialisation from teacher queries/keys (B, H, T, D): LLN's statistics; mix's s = the teacher's mean softmax
+        mass in the window over rows seeing keys outside it, exact for an average row (clamped to [1e-4, 1-1e-4])."""
         if hasattr(self.fmap, 'calibrate'):
             self.fmap.calibrate(q, k)
         if self.window and self.window_combine == 'mix':
@@ -714,24 +684,23 @@ class Attention(nn.Module):
     def _parallel(self, q, k, v, state, key_padding_mask, return_state):
         """All tokens at once: linear (from a state or not), or a hybrid from scratch. The state: (S, z) in units
         of exp(-c_k), the key shift c_k, and for a hybrid the tokens still in its window / partial block."""
-        T, g, causal = q.shape[-2], self.kv_groups, self.causal
-        lin = self.fmap is not None  # False: sliding-window softmax alone
+        T, g, causal, lin = q.shape[-2], self.kv_groups, self.causal, self.fmap is not None  # lin: a linear part
         phi_q, phi_k, c_q, c_k, init = self._features(q, k, state) if lin else (None,) * 5
         if key_padding_mask is not None and lin:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
         new = {'kind': self.kind, 'offset': T + (0 if state is None else state['offset']), 'c_k': c_k}
         if self.kind == 'window':
-            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q + c_k[..., None] if lin else None, self.window,
-                                        self.factor(), causal, key_padding_mask, self.spec.impl, self.chunk_size,
-                                        self.window_combine, self.spec.sinks)
+            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q + c_k[..., None] if lin else None, self.spec,
+                                        self.factor(), causal, key_padding_mask, self.chunk_size)
             if not (return_state and causal):
                 return y, None
             cut = max(T - (self.window - 1), 0)  # tokens < cut left the window: the sinks, then (S, z)
             n = min(self.spec.sinks, cut)
             new.update(k=k[:, ::g, cut:].clone(), v=v[:, ::g, cut:].clone(), sk=k[:, ::g, :n].clone(),
                        sv=v[:, ::g, :n].clone())
-            return y, new if not lin else {**new, 'phi_k': phi_k[:, :, cut:].clone(), 'z': phi_k[:, :, n:cut].sum(-2),
-                                           'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, n:cut], _acc(v[:, :, n:cut]))}
+            return y, new if not lin else {
+                **new, 'phi_k': phi_k[:, :, cut:].clone(), 'z': phi_k[:, :, n:cut].sum(-2),
+                'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, n:cut], _acc(v[:, :, n:cut]))}
         y, (S, z) = linear_attention(phi_q, phi_k, v, causal, self.spec.impl, EPS, self.chunk_size, init, True)
         if self.kind == 'diag':
             b = self.spec.diag_block
@@ -747,8 +716,7 @@ class Attention(nn.Module):
         kw, vw = torch.cat([state['k'], k[:, ::g]], 2), torch.cat([state['v'], v[:, ::g]], 2)  # (B, H_kv, <=w, D)
         new = {'kind': self.kind, 'offset': offset + 1, 'c_k': c_k if lin else None}
         if self.kind == 'diag':  # the token's block: the buffered partial block and itself
-            y, (S, z) = linear_attention(phi_q, phi_k, v, True, 'recurrent', EPS, initial_state=(S, z),
-                                         return_state=True)
+            y, (S, z) = linear_attention(phi_q, phi_k, v, True, 'recurrent', EPS, self.chunk_size, (S, z), True)
             y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False).to(y.dtype))
             keep = kw.shape[2] if (offset + 1) % self.spec.diag_block else 0  # a full block empties the buffer
             return y, {**new, 'S': S, 'z': z, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
@@ -756,18 +724,16 @@ class Attention(nn.Module):
         sk, sv = state['sk'], state['sv']  # the sink tokens that left the window
         num_w, den_w, m = _window_softmax(_acc(q), kv(torch.cat([sk, kw], 2)), kv(torch.cat([sv, vw], 2)),
                                           torch.ones((), dtype=torch.bool, device=q.device))
+        y = num_w / den_w[..., None]  # the window part alone: sliding-window softmax
         if lin:
             pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
-            y, _ = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0],
-                                         c_q + c_k[..., None], self.factor(), self.window_combine)
-        else:
-            y = num_w / den_w[..., None]
+            y = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + c_k[..., None],
+                                      self.factor(), self.window_combine)
         if kw.shape[2] == self.window:  # the oldest token leaves the window: to the sinks, or to the linear state
             if offset + 1 - self.window < self.spec.sinks:
                 sk, sv = torch.cat([sk, kw[:, :, :1]], 2), torch.cat([sv, vw[:, :, :1]], 2)
             elif lin:
-                S = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], kv(vw[:, :, :1])[:, :, 0])
-                z = z + pkw[:, :, 0]
+                S, z = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], kv(vw[:, :, :1])[:, :, 0]), z + pkw[:, :, 0]
             kw, vw, pkw = kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:] if lin else None
         new.update(k=kw, v=vw, sk=sk, sv=sv)
         return y.to(v.dtype), new if not lin else {**new, 'S': S, 'z': z, 'phi_k': pkw}
@@ -778,14 +744,12 @@ class Attention(nn.Module):
         return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
 def state_nbytes(state):
-    """Bytes held by a decode state (a dict of tensors, or a list of them, one per layer), a KV cache's whole
-    capacity included."""
+    """Bytes held by a decode state (a dict of tensors, or a list of them, one per layer), all KV capacity included."""
     if isinstance(state, (list, tuple)):
         return sum(state_nbytes(s) for s in state)
     return sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)) if state else 0
 
 # ---- 7. metrics and DoF's kernel loss ---------------------------------------
-
 def attention_entropy(w, eps=1e-12):
     """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4)."""
     return -(w.float() * (w.float() + eps).log()).sum(-1)
@@ -816,8 +780,7 @@ def monotonicity(w, q, k, causal=True):
 
 def kl_divergence(p, q, eps=1e-12):
     """KL(p || q) per row of two (B, H, T, T) attention matrices -> (B, H, T), nats."""
-    p, q = p.float(), q.float()
-    return (p * ((p + eps).log() - (q + eps).log())).sum(-1)
+    return (p.float() * ((p.float() + eps).log() - (q.float() + eps).log())).sum(-1)
 
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
     """DoF's kernel loss: the mean squared error of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the

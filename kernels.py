@@ -6,8 +6,8 @@ What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F
     y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps),   S_t = S_0 + sum_{s<=t} phi_k_s v_s^T   (F, D)
                                                    z_t = z_0 + sum_{s<=t} phi_k_s         (F,)
 
-from an optional initial state (S_0, z_0), optionally returning the final (S_T, z_T) (prefill, then decode).
-`causal_linear_attention_reference` is the same thing written with a cumsum over time.
+from an optional initial state (S_0, z_0), optionally returning the final (S_T, z_T) (prefill, then decode);
+`causal_linear_attention_reference` computes it with a cumsum over time.
 
 Forward (chunked, like the Triton tutorials' flash attention, with a carried state instead of a softmax).
 Time is cut into chunks of BLOCK_T rows (64; 32 when F > 128). One program owns one (batch, head) and one
@@ -76,9 +76,7 @@ def causal_linear_attention_reference(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_
     y = (num / (den[..., None] + eps)).to(v.dtype)
     return (y, (S[:, :, -1], z[:, :, -1])) if return_state else y
 
-
 if HAS_TRITON:
-
     @triton.jit
     def _dot(a, b, BF16: tl.constexpr, PRECISION: tl.constexpr):
         """a @ b with fp32 accumulation; operands in bf16 (tensor cores) or fp32 ('ieee' or 'tf32')."""
@@ -99,13 +97,11 @@ if HAS_TRITON:
         Q, K, V, Y,         # (B*H, T, F), (B*H, T, F), (B*H, T, D), (B*H, T, D), contiguous
         RDEN,               # (B*H, T) fp32: 1 / (den + eps), saved for the backward
         S0, Z0, ST, ZT,     # (B*H, F, D), (B*H, F) fp32 initial (if HAS_INIT) and final (if STORE_STATE) state
-        T, F, D, eps,
-        HAS_INIT: tl.constexpr, STORE_STATE: tl.constexpr,
+        T, F, D, eps, HAS_INIT: tl.constexpr, STORE_STATE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        i_bh = tl.program_id(0).to(tl.int64)
-        i_d = tl.program_id(1)
+        i_bh, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs_t = tl.arange(0, BLOCK_T)
         offs_f = tl.arange(0, BLOCK_F)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -149,15 +145,13 @@ if HAS_TRITON:
         K, V, DY, RDEN, DELTA,   # (B*H, T, F), (B*H, T, D), (B*H, T, D), (B*H, T), (B*H, T)
         S0, Z0,                  # initial state (read if HAS_INIT)
         DQ,                      # (B*H, T, F) fp32 output
-        T, F, D,
-        HAS_INIT: tl.constexpr,
+        T, F, D, HAS_INIT: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """dq_t = sum_{s<=t} G_ts k_s + S_{before chunk} g_t + r_t z_{before chunk}. Forward in time; program =
         (bh, feature block), the whole value dimension in the block (BLOCK_D >= D: G contracts over it)."""
-        i_bh = tl.program_id(0).to(tl.int64)
-        i_f = tl.program_id(1)
+        i_bh, i_f = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs_t = tl.arange(0, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         offs_d = tl.arange(0, BLOCK_D)
@@ -196,8 +190,7 @@ if HAS_TRITON:
         DST, DZT,                   # gradient of the final state (read if HAS_DSTATE)
         OUT,                        # (B*H, T, F) dk if DK else (B*H, T, D) dv, fp32 output
         DS0, DZ0,                   # gradient of the initial state (written if STORE_DINIT)
-        T, F, D,
-        DK: tl.constexpr, HAS_DSTATE: tl.constexpr, STORE_DINIT: tl.constexpr,
+        T, F, D, DK: tl.constexpr, HAS_DSTATE: tl.constexpr, STORE_DINIT: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -205,8 +198,7 @@ if HAS_TRITON:
         DK: dk_s = sum_{t>=s} G_ts q_t + dS_s v_s + dz_s, program = (bh, feature block), the whole value dimension
         in the block (G contracts over it). Else dv_s = sum_{t>=s} P_ts g_t + dS_s^T k_s, program = (bh, value
         block), the whole feature dimension in the block (P contracts over it)."""
-        i_bh = tl.program_id(0).to(tl.int64)
-        i_blk = tl.program_id(1)
+        i_bh, i_blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs_t = tl.arange(0, BLOCK_T)
         offs_f = (i_blk * BLOCK_F if DK else 0) + tl.arange(0, BLOCK_F)
         offs_d = (0 if DK else i_blk * BLOCK_D) + tl.arange(0, BLOCK_D)
@@ -249,10 +241,7 @@ if HAS_TRITON:
                      mask=mask_f[:, None] & mask_d[None, :])
             tl.store(DZ0 + i_bh * F + offs_f, dz, mask=mask_f)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Launch and autograd
-
+# ---- launch and autograd ----------------------------------------------------
 def _blocks(F, D, chunk):
     """(BLOCK_F, BLOCK_D) of the forward and dv launches (whole F), of the dq and dk launches (whole D), and
     num_warps: the largest blocks whose fp32 state and operands fit in registers without spilling at 8 warps
@@ -360,9 +349,7 @@ def causal_linear_attention(phi_q, phi_k, v, eps=DEFAULT_EPS, initial_state=None
                                           allow_tf32)
     return (out[0], out[1:]) if return_state else out
 
-
-if __name__ == '__main__':
-    # python kernels.py [--T 1024,4096,16384] [--dtype bfloat16] [--F 128] [--D 64]: milliseconds, CUDA only
+if __name__ == '__main__':  # python kernels.py [--T 1024,4096,16384] [--dtype bfloat16] [--F 128] [--D 64]: CUDA only
     import argparse
     p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch SDPA (CUDA).')
     p.add_argument('--T', default='1024,4096,16384', help='comma-separated sequence lengths')
@@ -371,8 +358,7 @@ if __name__ == '__main__':
     p.add_argument('--D', type=int, default=64, help='head dimension (the kernel: D <= 128)')
     a = p.parse_args()
     if not (HAS_TRITON and torch.cuda.is_available()):
-        raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU; the tests run the kernel on CPU '
-                         '(tests/test_kernels.py, TRITON_INTERPRET=1)')
+        raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU (tests/test_kernels.py: on CPU)')
     B, H, dt = 4, 12, getattr(torch, a.dtype)
     print(f'B={B} H={H} F={a.F} D={a.D} {a.dtype}: median ms (triton.testing.do_bench), fwd / fwd+bwd')
     print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}')

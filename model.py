@@ -1,9 +1,6 @@
 """
 One transformer for the three model families the linear-attention papers convert, and every way to load it.
 
-In reading order: GPTConfig; the building blocks (RMSNorm, RoPE, ShortConv, LoRALinear, SelfAttention, MLP,
-Block); GPT; load / save (every format, below) with the HF and GGUF key maps and config translations.
-
 The families, as a config switch rather than three copies of the code:
 - GPT-2: learned positions, pre-LayerNorm, GELU (tanh) MLP, tied embeddings, causal;
 - Llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention (GQA), untied head, causal;
@@ -79,14 +76,7 @@ class GPTConfig:
     def head_dim(self):
         return self.n_embd // self.n_head
 
-    @property
-    def causal(self):
-        return self.family != 'bert'
-
-
-# -----------------------------------------------------------------------------
-# building blocks
-
+# ---- building blocks --------------------------------------------------------
 class RMSNorm(nn.Module):
     """Llama RMSNorm (HF convention: normalise in float32, scale in the input dtype)."""
 
@@ -99,18 +89,15 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
 def make_norm(config):
-    if config.family == 'llama':
-        return RMSNorm(config.n_embd, eps=config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+    C, eps = config.n_embd, config.norm_eps
+    return RMSNorm(C, eps=eps) if config.family == 'llama' else nn.LayerNorm(C, eps=eps, bias=config.bias)
 
 def rope_inv_freq(head_dim, theta, scaling=None):
     """RoPE inverse frequencies (head_dim/2,), with HF's 'linear' and 'llama3' scalings."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get('rope_type', (scaling or {}).get('type', 'default'))
-    if rope_type == 'default':
-        return inv_freq
-    if rope_type == 'linear':
-        return inv_freq / scaling['factor']
+    if rope_type in ('default', 'linear'):   # linear: every frequency divided by the factor
+        return inv_freq / (scaling['factor'] if rope_type == 'linear' else 1)
     if rope_type != 'llama3':
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'linear', 'llama3'")
     factor, low, high = scaling['factor'], scaling['low_freq_factor'], scaling['high_freq_factor']
@@ -127,10 +114,9 @@ def apply_rope(x, cos, sin):
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 class ShortConv(nn.Module):
-    """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution):
-    y_t = sum_{i=0}^{K-1} w_i * x_{t-i} per channel (K = kernel_size, zeros before the first token), w_i =
-    weight[:, K-1-i] (F.conv1d's layout). Identity at init (w_0 = 1, the rest 0): adding it to a trained model
-    changes nothing. The decode state is the last K-1 inputs."""
+    """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution): y_t = sum_i
+    w_i x_{t-i} per channel, i < K = kernel_size, zeros before the first token, w_i = weight[:, K-1-i] (F.conv1d's
+    layout). Identity at init (w_0 = 1): added to a trained model, it changes nothing. Decode state: last K-1 inputs."""
 
     def __init__(self, channels, kernel_size):
         super().__init__()
@@ -192,15 +178,14 @@ class SelfAttention(nn.Module):
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         core_state = None if state is None else {n: t for n, t in state.items() if n != 'k_conv'}
         y = self.core(q, k, v, state=core_state, return_state=return_state, key_padding_mask=key_padding_mask)
-        if return_state:
-            y, state = y
-            state = state if conv_past is None else {**state, 'k_conv': conv_past}
+        if return_state:   # the core's state, and the conv's last K-1 inputs
+            y, state = y[0], y[1] if conv_past is None else {**y[1], 'k_conv': conv_past}
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
 
 def make_core(config, spec):
     """The attention core of one layer for `spec` (an AttnSpec or its string); cosformer's M = block_size."""
-    return Attention(spec, config.head_dim, config.n_head, causal=config.causal,
+    return Attention(spec, config.head_dim, config.n_head, causal=config.family != 'bert',
                      kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size)
 
 class MLP(nn.Module):
@@ -239,18 +224,14 @@ class Block(nn.Module):
         x = x + a
         return x + self.mlp(self.ln_2(x)), state
 
-
-# -----------------------------------------------------------------------------
-# the model
-
+# ---- the model --------------------------------------------------------------
 class GPT(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.config = config
         fam, C = config.family, config.n_embd
-        modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout),
-                       h=nn.ModuleList([Block(config, self.layer_spec(i)) for i in range(config.n_layer)]))
+        blocks = [Block(config, config.layer_attn.get(i, config.attn)) for i in range(config.n_layer)]
+        modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout), h=nn.ModuleList(blocks))
         if fam != 'llama':
             modules['wpe'] = nn.Embedding(config.block_size, C)
         if fam == 'bert':   # token types; an embedding LayerNorm (post-LN model, no final norm)
@@ -282,9 +263,6 @@ class GPT(nn.Module):
     def get_num_params(self):
         """Number of parameters, position embeddings excluded (as in nanoGPT)."""
         return sum(p.numel() for n, p in self.named_parameters() if n != 'transformer.wpe.weight')
-
-    def layer_spec(self, i):
-        return AttnSpec.parse(self.config.layer_attn.get(i, self.config.attn))
 
     def attention_cores(self):
         """The attention.Attention core of every layer, in layer order."""
@@ -405,11 +383,9 @@ class GPT(nn.Module):
         biases, and what starts at the identity or another structured value (attention cores, short convolution)."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         decayed = lambda n, p: p.dim() >= 2 and '.core.' not in n and '.k_conv.' not in n
-        decay = [p for n, p in named if decayed(n, p)]
-        nodecay = [p for n, p in named if not decayed(n, p)]
-        return torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
-                                  {'params': nodecay, 'weight_decay': 0.0}], lr=learning_rate, betas=betas,
-                                 fused=device_type == 'cuda')
+        groups = [{'params': [p for n, p in named if decayed(n, p) == d], 'weight_decay': wd}
+                  for d, wd in ((True, weight_decay), (False, 0.0))]   # decayed, then not
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
     def decode_state_nbytes(self, states):
         """Bytes held by the per-layer decoding states (KV caches or recurrent states)."""
@@ -471,10 +447,7 @@ class GPT(nn.Module):
         """nanoGPT's name for `load(path, **overrides)[0]`."""
         return load(path, **overrides)[0]
 
-
-# -----------------------------------------------------------------------------
-# load and save: one loader for every format, one checkpoint format
-
+# ---- load and save: one loader for every format, one checkpoint format ------
 def load(path, **overrides):
     """(model, extra) from our checkpoint (save(); out_dir/ckpt.pt or its folder; a converted model's names its base
     and holds only what the conversion added), a HuggingFace folder (config.json + safetensors / .bin, sharded or
@@ -523,8 +496,7 @@ def _is_new(name):
 
 def _own_tensors(model):
     """The state dict less a tied lm_head.weight (the same tensor as transformer.wte.weight)."""
-    tied = model.config.family != 'bert' and model.config.tie_embeddings
-    return {k: v for k, v in model.state_dict().items() if not (tied and k == 'lm_head.weight')}
+    return {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == 'lm_head.weight')}
 
 def save(path, model, base=None, keep=(), **extra):
     """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path` atomically. base: the
@@ -588,10 +560,7 @@ def _copy_checked(header, own, tensors, kmap, need, skip=(), where=''):
         for k, t in mapped.items():
             own[k].copy_(t)
 
-
-# -----------------------------------------------------------------------------
-# HuggingFace checkpoints
-
+# ---- HuggingFace checkpoints ------------------------------------------------
 def hf_config_to_kwargs(hf):
     """HF config.json dict -> GPTConfig keyword arguments (GPT-2, Llama, BERT; anything else is an error)."""
     mt, get = hf.get('model_type'), hf.get
@@ -718,10 +687,7 @@ def _load_hf_state(model, tensors, source, kmap=None, where=' in checkpoint'):
     _copy_checked(f"cannot load {source!r} into a {cfg.family} model", own, tensors, kmap, set(own) - absent_ok,
                   ignored | buffers, where)
 
-
-# -----------------------------------------------------------------------------
-# GGUF files (llama.cpp): the config from the metadata, the tensors dequantised by gguf's own reader
-
+# ---- GGUF files (llama.cpp): the config from the metadata, the tensors dequantised by gguf's own reader
 GGUF_TENSOR_TYPES = 'F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K'.split()
 # llama.cpp's names for HF Llama's: model.layers.N.<x> -> blk.N.<y>, and the three outside the layers
 _GGUF_LAYER_NAMES = {'input_layernorm': 'attn_norm', 'self_attn.q_proj': 'attn_q', 'self_attn.k_proj': 'attn_k',
