@@ -113,9 +113,7 @@ def parse_layers(spec, n_layer):
             out.add(i % n_layer)
     return sorted(out)
 
-
-# ----------------------------------------------------------------------------------------------------
-# DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec. 4.2)
+# ---- DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec. 4.2) ----
 # Per head: J points drawn from the pooled teacher queries and keys (after RoPE), the kernel Gram matrix
 # divided by J, N_lambda = tr(S/J (S/J + lambda I)^-1); layer DoF = max over heads; M_s = C N_s / mean N_s,
 # so the mean cost is C.  The paper gives no J: we use 256.  DoF + Clip clamps M_s at the head size.
@@ -215,8 +213,7 @@ def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
                          'a larger --dof_lambda separates the layers')
     return '\n'.join(lines)
 
-# ----------------------------------------------------------------------------------------------------
-# stage 1: the attention-transfer loss of one layer, on its teacher's q, k, v
+# ---- stage 1: the attention-transfer loss of one layer, on its teacher's q, k, v ----
 
 def _teacher(core, q, k, v, mask):
     """The teacher's softmax weights (B, H, T, T) and outputs of this layer (padded keys masked)."""
@@ -255,9 +252,7 @@ def transfer_loss(core, q, k, v, mask, weights):
         loss = loss + weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)
     return loss
 
-
-# ----------------------------------------------------------------------------------------------------
-# data and evaluation
+# ---- data and evaluation -----------------------------------------------------
 
 @torch.no_grad()
 def _teacher_qkv(model, batch, layers, device):
@@ -307,9 +302,7 @@ def evaluate(model, module, task, cfg, rt, layers):
     return dict(out, kl_layers=kl, mse_layers=mse, kl_mean=sum(kl.values()) / max(len(kl), 1),
                 mse_mean=sum(mse.values()) / max(len(mse), 1))
 
-
-# ----------------------------------------------------------------------------------------------------
-# the pipeline
+# ---- the pipeline ------------------------------------------------------------
 
 @torch.no_grad()
 def teacher_qk(model, batches, layers, rt):
@@ -447,9 +440,7 @@ def unigram_loss(train_ids, val_ids, vocab_size):
     counts = torch.bincount(torch.as_tensor(train_ids).flatten(), minlength=vocab_size).double() + 1.0
     return float(-(counts / counts.sum()).log()[torch.as_tensor(val_ids).flatten()].mean())
 
-
-# ----------------------------------------------------------------------------------------------------
-# the table of several conversions, and the command line
+# ---- the table of several conversions, and the command line ------------------
 
 def report(dirs):
     """A markdown table of conversions' summary.json: quality (perplexity, or the GLUE metric) of the teacher

@@ -9,6 +9,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from rouge_score import rouge_scorer
+from scipy import stats
+from sklearn import metrics
 
 import attention
 import eval as ev
@@ -57,7 +60,6 @@ def test_rouge_hand_computed():
     """rouge(): the corpus mean of rouge-score's F-measures, x100, on a case worked by hand.
     'the cat sat' vs 'the cat': ROUGE-1 P 1, R 2/3, F 0.8; ROUGE-2 P 1, R 1/2, F 2/3; ROUGE-L (LCS 2) F 0.8.
     'a b' vs 'c d': 0 for all three. Means x100: 40, 33.33, 40."""
-    pytest.importorskip('rouge_score')
     got = ev.rouge(['the cat sat', 'a b'], ['The cat!', 'c d'])
     assert got == pytest.approx({'rouge1': 40.0, 'rouge2': 100 / 3, 'rougeL': 40.0}, abs=1e-9)
     with pytest.raises(ev.EvalError, match='as many predictions as references'):
@@ -89,7 +91,6 @@ def test_summarize_prompt_and_eos(tmp_path):
 
 
 def test_rouge_report(tmp_path):
-    rouge_scorer = pytest.importorskip('rouge_score.rouge_scorer')
     _, ckpt = _tiny_gpt(tmp_path, block_size=256)
     data = tmp_path / 'dialogues.jsonl'
     rows = [{'dialogue': 'Amanda: I baked cookies. Do you want some?\nJerry: Sure!', 'summary':
@@ -164,8 +165,6 @@ def test_ppl_on_linear_checkpoint_dir(tmp_path):
 # ---- GLUE -------------------------------------------------------------------------------------------------
 
 def test_glue_metrics_match_sklearn_scipy():
-    metrics = pytest.importorskip('sklearn.metrics')
-    stats = pytest.importorskip('scipy.stats')
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 2, (200,), generator=g).tolist()
     preds = [y if torch.rand(1, generator=g).item() < 0.7 else 1 - y for y in labels]
@@ -198,7 +197,6 @@ def _cola_dir(tmp_path):
 
 @pytest.mark.parametrize('family', ['bert', 'gpt2'])
 def test_glue_report(tmp_path, family):
-    metrics = pytest.importorskip('sklearn.metrics')
     torch.manual_seed(0)
     cfg = M.GPTConfig(family=family, vocab_size=_vocab(), block_size=32, n_layer=1, n_head=2, n_embd=32,
                       num_labels=2 if family == 'bert' else 0, attn='elu')

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+import gguf
+import transformers
+
 import model as M
 import tokenizer as T
 
-gguf = pytest.importorskip('gguf')
 Q = gguf.GGMLQuantizationType
 QK_K = 256
 
@@ -137,7 +139,6 @@ def test_f32_logits_equal_the_original(tmp_path, tie):
 def test_f32_matches_transformers_llama(tmp_path):
     """The permutation and RoPE convention against an independent reference: HF LlamaForCausalLM weights
     written the way llama.cpp's converter writes them give HF's logits."""
-    transformers = pytest.importorskip('transformers')
     cfg = tiny_config(tie=False)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(

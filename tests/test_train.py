@@ -11,6 +11,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+import transformers
+from scipy import stats
+from sklearn import metrics as sklearn_metrics
 from torch.nn import functional as F
 
 import attention
@@ -301,8 +304,6 @@ def test_load_glue_layouts(tmp_path):
 
 
 def test_glue_metrics_match_sklearn_and_scipy():
-    sklearn_metrics = pytest.importorskip('sklearn.metrics')
-    stats = pytest.importorskip('scipy.stats')
     rng = np.random.default_rng(0)
     for n_cls in (2, 3):
         labels, preds = rng.integers(0, n_cls, 200), rng.integers(0, n_cls, 200)
@@ -436,7 +437,6 @@ def test_train_glue_scratch_bert_and_gpt(tmp_path, no_tiktoken):
 
 
 def test_train_glue_from_hf_bert_with_its_tokenizer(tmp_path, capsys):
-    transformers = pytest.importorskip('transformers')
     d = _cola(tmp_path)
     words = sorted({w for line in open(d / 'train.tsv') for w in line.split('\t')[0].split()})
     vocab = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + words
