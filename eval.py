@@ -730,11 +730,12 @@ def report_bench(args):
     res, model = {'config': cfg}, None
     for part in BENCH_SWEEPS if 'all' in parts else parts:
         lengths = parse_list(args.sweep or BENCH_SWEEPS[part], 'sweep')
-        log(f'{part}: {", ".join(cfg["maps"])} vs softmax at lengths {lengths}')
         if part == 'decode' and args.ckpt:   # a real checkpoint: its own attention against its softmax teacher
             model = load(args, 'bench decode', with_tokenizer=False)[0]
             cfg['decode_model'] = (f'{args.ckpt}, {model.get_num_params() / 1e6:.1f}M parameters, vs its softmax '
                                    f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
+        mine = describe_attention(model) if part == 'decode' and model else ', '.join(cfg['maps'])
+        log(f'{part}: {mine} vs softmax at lengths {lengths}')
         res[part] = bench_decode(lengths, specs, args.device, model) if part == 'decode' else \
             bench_forward(part, lengths, specs, args.device)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
