@@ -553,7 +553,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c, spec, factor, causal=True,
         num_w, den_w, m = _merge_softmax((num_w, den_w, m), _window_softmax(_acc(q), _acc(k[:, :, :N]),
                                                                             _acc(v[:, :, :N]), visible))
     if phi_q is None:  # no linear part: the softmax part alone (a row with no key gives 0)
-        return combine_window_linear(num_w, den_w, m, 0 * num_w, 0 * den_w, 0 * den_w, den_w.new_ones(H)).to(v.dtype)
+        return (num_w / den_w.where(den_w > 0, 1.0)[..., None]).to(v.dtype)
     pk = _acc(phi_k) * (torch.arange(T, device=q.device) >= N)[:, None]  # sinks are not in the linear part
     shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
     num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, spec.impl, chunk_size)
@@ -724,11 +724,12 @@ class Attention(nn.Module):
         sk, sv = state['sk'], state['sv']  # the sink tokens that left the window
         num_w, den_w, m = _window_softmax(_acc(q), kv(torch.cat([sk, kw], 2)), kv(torch.cat([sv, vw], 2)),
                                           torch.ones((), dtype=torch.bool, device=q.device))
-        y = num_w / den_w[..., None]  # the window part alone: sliding-window softmax
         if lin:
             pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
             y = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + c_k[..., None],
                                       self.factor(), self.window_combine)
+        else:  # sliding-window softmax alone (the token itself is always a key: den_w > 0)
+            y = num_w / den_w[..., None]
         if kw.shape[2] == self.window:  # the oldest token leaves the window: to the sinks, or to the linear state
             if offset + 1 - self.window < self.spec.sinks:
                 sk, sv = torch.cat([sk, kw[:, :, :1]], 2), torch.cat([sv, vw[:, :, :1]], 2)
