@@ -10,7 +10,6 @@ matplotlib is installed).
     python eval.py --lln --out_dir out/lln                  # LLN Fig. 2 on Gaussian q, k (no model)
     python eval.py --ckpt out-convert --passkey --sweep 512,1024   # or --lm_eval hellaswag,arc_easy
 """
-import contextlib
 import ctypes
 import itertools
 import json
@@ -347,9 +346,8 @@ def report_passkey(args):
     rows = ['| tokens | ' + ' | '.join(f'depth {d} %' for d in depths) + ' | mean |', '|---' * (len(depths) + 2) + '|']
     rows += [f'| {L} | ' + ' | '.join(f'{a:.2f}' for a in r + [sum(r) / len(r)]) + ' |' for L, r in zip(lengths, acc)]
     log('\n'.join(rows) + f'\n{describe_attention(model)}: {n} samples per cell, {time.time() - t0:.0f} s')
-    with contextlib.suppress(ImportError):
-        import matplotlib.pyplot as plt
-        plt.switch_backend('Agg')
+    plt = pyplot()
+    if plt:
         fig, ax = plt.subplots(figsize=(4.5, 3))
         im = ax.imshow(acc, vmin=0, vmax=1, cmap='RdYlGn', aspect='auto')
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)), yticklabels=lengths,
@@ -465,15 +463,22 @@ def _save_figure(fig, out_dir, name):
     log(f'wrote {os.path.join(out_dir, name)}')
     return os.path.join(out_dir, name)
 
-def line_plots(panels, title, ncols=None):
-    """A figure of line plots; panels: [{'series': {label: (xs, ys)}, 'title', 'xlabel', 'xscale', ...}] (the
-    rest goes to Axes.set). softmax black; past 10 maps the colours repeat, dashed. (fig, axes) or (None, None)."""
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None (and a line saying so) where matplotlib is not installed."""
     try:
         import matplotlib.pyplot as plt
     except ImportError:
         log('matplotlib not installed: no figures (the numbers are in the JSON)')
-        return None, None
+        return None
     plt.switch_backend('Agg')
+    return plt
+
+def line_plots(panels, title, ncols=None):
+    """A figure of line plots; panels: [{'series': {label: (xs, ys)}, 'title', 'xlabel', 'xscale', ...}] (the
+    rest goes to Axes.set). softmax black; past 10 maps the colours repeat, dashed. (fig, axes) or (None, None)."""
+    plt = pyplot()
+    if plt is None:
+        return None, None
     ncols = ncols or len(panels)
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False)
