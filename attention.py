@@ -427,7 +427,7 @@ class AttnSpec:
                 raise ValueError(f"attention spec {s!r}: expected name:key=value:.. with distinct keys, got {item!r}")
             with contextlib.suppress(ValueError):
                 value = json.loads(value)
-            (fields_ if key in ('window', 'sinks', 'combine', 'diag_block', 'impl') else options)[key] = value
+            (fields_ if key in {f.name for f in fields(cls)[1:-1]} else options)[key] = value   # window, sinks, ..
         return cls(name, options=options, **fields_)
 
     def __str__(self):

@@ -312,20 +312,21 @@ def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, s
         f.write(PASSKEY_YAML.format(path=json.dumps(path)))
     return rows
 
-def run_lm_eval(args, model, tok, tasks, include=None, log_samples=False):
-    """lm_eval.simple_evaluate on our model; --context caps loglikelihood's inputs (0: block_size)."""
+def run_lm_eval(args, model, tok, tasks, include=None, limit=None, log_samples=False):
+    """lm_eval.simple_evaluate on our model, `limit` samples per task (None: all); --context caps loglikelihood's
+    inputs (0: block_size)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
     context = args.context or model.config.block_size
     lm = lm_eval_adapter(model, tok, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(include_path=include or None),
-                                   limit=args.limit or None, log_samples=log_samples)
+                                   limit=limit, log_samples=log_samples)
 
 def report_lm_eval(args):
     """--lm_eval TASKS (comma-separated; --lm_eval_include DIR adds local task yamls) through lm-eval 0.4."""
     from lm_eval.utils import make_table
     model, _, tok = load(args, 'lm_eval')
-    res = run_lm_eval(args, model, tok, args.lm_eval.split(','), args.lm_eval_include)
+    res = run_lm_eval(args, model, tok, args.lm_eval.split(','), args.lm_eval_include, args.limit or None)
     log(make_table(res))
     return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'results': res['results']}
 
@@ -336,8 +337,7 @@ def report_passkey(args):
     lengths, t0 = parse_list(args.sweep or '512,1024,2048', 'sweep'), time.time()
     folder, n = os.path.join(args.out_dir, 'passkey_task'), args.limit or 6
     passkey_task(folder, tok, lengths, samples=n)
-    args.limit = 0   # the task holds exactly the samples asked for
-    res = run_lm_eval(args, model, tok, ['passkey_retrieval'], folder, log_samples=True)
+    res = run_lm_eval(args, model, tok, ['passkey_retrieval'], folder, log_samples=True)   # every sample written
     cells = {}
     for smp in res['samples']['passkey_retrieval']:
         cells.setdefault((smp['doc']['length'], smp['doc']['depth']), []).append(float(smp['exact_match']))
