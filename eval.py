@@ -291,18 +291,20 @@ metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}
 """
 
 def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
-    """Passkey retrieval (Mohtashami & Jaggi 2023) as a local lm-eval task in `folder`: filler text of about
-    `length` tokens of `tok`, the key sentence at `depth` % of it, then the question; exact match on the number."""
+    """Passkey retrieval (Mohtashami & Jaggi 2023) as a local lm-eval task in `folder`: as their prompt, five lines (the
+    task, filler before, the key sentence, filler after, the question), about `length` tokens of `tok`, the key at
+    `depth` % of the filler. Scored: the first number of the greedy answer equals the key (exact match)."""
     rng, rows = random.Random(seed), []
-    intro = 'There is important info hidden inside a lot of irrelevant text. Find it and memorize it. '
+    intro = 'There is important info hidden inside a lot of irrelevant text. Find it and memorize it.'
     question = 'What is the pass key? The pass key is'
     per_filler = len(tok.encode(PASSKEY_FILLER))
     for length, depth, i in itertools.product(lengths, depths, range(samples)):
         key = rng.randint(10000, 99999)
-        needle = f'The pass key is {key}. Remember it. {key} is the pass key. '
-        n = max((length - len(tok.encode(intro + needle + question))) // per_filler, 0)
+        needle = f'The pass key is {key}. Remember it. {key} is the pass key.'
+        n = max((length - len(tok.encode('\n'.join([intro, '', needle, '', question])))) // per_filler, 0)
         before = round(n * depth / 100)
-        text = intro + PASSKEY_FILLER * before + needle + PASSKEY_FILLER * (n - before) + question
+        text = '\n'.join([intro, (PASSKEY_FILLER * before).strip(), needle, (PASSKEY_FILLER * (n - before)).strip(),
+                          question])
         rows.append(dict(input=text, target=str(key), length=length, depth=depth, tokens=len(tok.encode(text))))
     os.makedirs(folder, exist_ok=True)
     path = os.path.abspath(os.path.join(folder, 'passkey.jsonl'))
