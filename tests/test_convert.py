@@ -341,3 +341,38 @@ def test_parameter_free_map_saves_no_tensors(ckpts, text_file, tmp_path):
     assert _saved(out)['model'] == {}
     m = M.load(str(out))[0]
     assert all(c.spec.name == 'elu' for c in m.attention_cores())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['hedgehog', 'lolcats', 'dof'])
+def test_every_stage1_loss_runs_and_lowers_itself(name, ckpts, text_file, tmp_path):
+    """The three papers' transfer losses (Hedgehog's ce, LoLCATs' mse, DoF's l2) and a weighted sum, end to end."""
+    for loss in ('ce', 'mse', 'l2', 'ce+0.5*mse+0.1*l2'):
+        s = _run(_args(ckpts['gpt2'], text_file, tmp_path / loss, '--attn', name, '--loss', loss, '--stage1_iters',
+                       '12', '--stage2_iters', '0', '--lr', '1e-2'))
+        st = s['stages']['stage1']
+        assert s['loss_weights'] == C.loss_weights(loss, A.AttnSpec(name))
+        assert st['loss_last'] < st['loss_first'], (name, loss, st['loss_first'], st['loss_last'])
+
+
+def test_l2_loss_is_dofs_kernel_loss_in_float64():
+    """DoF's kernel L2 on a hand-sized case, against float64 written from DoF Eq. 8: phi(x)_m = sqrt(a_m / M)
+    exp(z_m.x / D^1/4 - |x|^2 / (2 sqrt D)), unnormalised phi(q).phi(k) against exp(q.k / sqrt D), causal pairs.
+    The keys are large, so the features carry shifts that the loss must undo."""
+    torch.manual_seed(0)
+    D, M_ = 4, 3
+    core = A.Attention('dof:feature_dim=3', D, 1)
+    with torch.no_grad():
+        core.fmap.z.copy_(torch.tensor([[[1., 0, 0, 0], [0, 1, 0, 0], [.5, .5, -.5, .5]]]))
+        core.fmap.log_a.copy_(torch.tensor([[0.2, -0.3, 0.1]]))
+    q = torch.tensor([[[[0.5, -1., 0., 1.], [1., 1., 0., 0.], [0., 0.5, 0.5, 0.]]]])
+    k = torch.tensor([[[[3., 1., 0., 2.], [-2., 0., 1., 1.], [4., 4., -1., 0.]]]])
+    loss = C.transfer_loss(core, q, k, torch.randn(1, 1, 3, D), None, {'l2': 1.0})
+    z, a = core.fmap.z.detach()[0].double(), core.fmap.log_a.detach()[0].double().exp()
+
+    def phi(x):   # (T, D) -> (T, M)
+        return (a / M_).sqrt() * torch.exp(x @ z.T / D ** 0.25 - (x * x).sum(-1, keepdim=True) / (2 * D ** 0.5))
+    qd, kd = q[0, 0].double(), k[0, 0].double()
+    err = (phi(qd) @ phi(kd).T - torch.exp(qd @ kd.T / D ** 0.5)) ** 2
+    ref = err[torch.tril(torch.ones(3, 3, dtype=torch.bool))].mean()
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
