@@ -102,12 +102,14 @@ def test_passkey_task_is_deterministic_and_sized(tiny, tmp_path):
     a = ev.passkey_task(str(tmp_path / 'a'), tok, [1000, 2000], samples=2)
     b = ev.passkey_task(str(tmp_path / 'b'), tok, [1000, 2000], samples=2)
     assert a == b and len(a) == 2 * 5 * 2 and len({r['target'] for r in a}) == len(a)
-    for r in a:   # five lines, as Mohtashami & Jaggi's prompt: task, filler, key, filler, question on its own line
+    for r in a:   # lines as Mohtashami & Jaggi's prompt: task, filler, key, filler, question on its own line
         assert r['length'] - 100 < r['tokens'] <= r['length'] and r['target'] in r['input']
-        intro, before, needle, after, question = r['input'].split('\n')
-        assert question == 'What is the pass key? The pass key is' and intro.endswith('memorize it.')
-        assert needle == f"The pass key is {r['target']}. Remember it. {r['target']} is the pass key."
-        n_before, n = before.count('The grass is green.'), r['input'].count('The grass is green.')
-        assert n > 0 and n_before == round(n * r['depth'] / 100) and before == (ev.PASSKEY_FILLER * n_before).strip()
+        lines = r['input'].split('\n')
+        needle = lines.index(f"The pass key is {r['target']}. Remember it. {r['target']} is the pass key.")
+        assert lines[-1] == 'What is the pass key? The pass key is' and lines[0].endswith('memorize it.')
+        assert all(lines) and len(lines) == 3 + (r['depth'] > 0) + (r['depth'] < 100)
+        n_before, n = r['input'].split(lines[needle])[0].count('The grass is green.'), r['input'].count('The grass')
+        assert n > 0 and n_before == round(n * r['depth'] / 100)
+        assert needle == 1 + (n_before > 0) and (n_before == 0 or lines[1] == (ev.PASSKEY_FILLER * n_before).strip())
     yaml = (tmp_path / 'a' / 'passkey.yaml').read_text()
     assert 'output_type: generate_until' in yaml and 'exact_match' in yaml
