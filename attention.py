@@ -9,8 +9,9 @@ Attention, softmax and linear, in one file. In reading order:
   7. metrics (entropy, spectral gap, monotonicity, KL) and DoF's kernel loss
 
 Linear attention, for one head (Katharopoulos et al. 2020, Eq. 4-6):
-    y_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps),  S_t = sum_{s<=t} phi(k_s) v_s^T,  z_t = sum_{s<=t} phi(k_s)
-S (F x D), z (F) accumulate in float32; feature maps return float32. q, k, v: (B, H, T, D = head_dim), phi (B, H, T, F).
+    y_t = phi(q_t)^T S_t / phi(q_t)^T z_t,  S_t = sum_{s<=t} phi(k_s) v_s^T,  z_t = sum_{s<=t} phi(k_s)
+S (F x D), z (F) accumulate in float32; feature maps return float32; every core but exact softmax computes in float32
+also under bf16/fp16 autocast. q, k, v: (B, H, T, D = head_dim), phi (B, H, T, F).
 """
 
 import contextlib
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 import kernels
 
-EPS = 1e-20  # the denominator's eps, y = num / (den + EPS) in float32: it only guards 0 / 0
+NO_KEY = -1e30  # the key shift of a key that is not there (padding, sinks), and the running max of a row seeing none
 
 def _acc(x):  # the accumulation dtype: float32, or float64 when given float64 (the float64 reference checks)
     return x.double() if x.dtype == torch.float64 else x.float()
@@ -62,37 +63,37 @@ class FeatureMap(nn.Module):
     """Base class. q and k come together (LLN treats them differently; cosFormer needs positions: offset = the absolute
     position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or, exp-based
     (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi). Range (a real LLM's queries and keys
-    are large: attention sinks): `features` divides an exp-based phi(q) by exp(c_q) and phi(k) by exp(c_k), detached
-    shifts that cancel in every output. c_q: a query's largest log-feature (a factor of one attention row, gone in its
-    normalisation). c_k: ONE per sequence and head (a per-key shift would re-weight the keys), 0 until the largest key
-    log-feature u passes KEY_RANGE = 60, then u - 60: key features <= e^60 leave float32 room for sums of 1e12 terms.
-    While c_k = 0 no output depends on a later token, bit for bit; past it a causal c_k includes later keys (cancelling
-    exactly, but not in rounding). Decode states carry c_k and raise it, rescaling S and z. phi(q_t).phi(k_s) =
-    exp(c_q_t + c_k) phi_q_t.phi_k_s exactly (the window hybrid uses it). shift=False: no shifts."""
+    are large: attention sinks; Performer's and DoF's exp(-|x|^2 / 2 sqrt D) are tiny at large norms): `features`
+    divides an exp-based phi(x) by exp(c), c its detached largest log-feature, for every query and every key, so every
+    feature is <= 1 and the largest is 1. A query's c_q is a factor of its attention row, gone in the normalisation;
+    the keys' c_k go to linear attention (linear_attention_parts), which weighs key s in row t by exp(c_s - m_t), m_t
+    the largest c_k the row sees: exact, and a row that sees only tiny keys still gets their weighted mean.
+    forward(q, k): phi_q and phi_k with ONE key shift per sequence and head instead (the largest), which cancels in
+    the normalisation: plain features for linear_attention while the keys' scales lie within float32's range
+    (e^+-87). shift=False: no shifts."""
 
     log_domain = False
-    KEY_RANGE = 60.0
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
         self.head_dim, self.n_heads, self.feature_dim, self.shift = head_dim, n_heads, head_dim, True
 
     def forward(self, q, k, offset=0):
-        return self.features(q, k, offset)[:2]
+        phi_q, phi_k, _, c_k = self.features(q, k, offset)
+        return phi_q, phi_k * torch.exp(c_k - c_k.amax(-1, keepdim=True))[..., None]
 
-    def features(self, q, k, offset=0, c_k=None):
-        """(phi_q, phi_k, c_q (B, H, T), c_k (B, H)), phi(q) = phi_q exp(c_q), phi(k) = phi_k exp(c_k); the
-        shifts are 0 for maps that are not exp-based. A given c_k (a decode state's) is raised, never lowered."""
+    def features(self, q, k, offset=0):
+        """(phi_q, phi_k, c_q, c_k), c (B, H, T): phi(q) = phi_q exp(c_q), phi(k) = phi_k exp(c_k), float32 (float64
+        for float64 inputs) also under autocast; the shifts are 0 for maps that are not exp-based."""
         _check_qk(q, k, self.head_dim, self.n_heads)
-        q, k = _acc(q), _acc(k)
-        if not self.log_domain:
-            phi_q, phi_k = self.phi(q, 'q', offset), self.phi(k, 'k', offset)
-            return phi_q, phi_k, phi_q.new_zeros(phi_q.shape[:-1]), phi_q.new_zeros(phi_q.shape[:2])
-        u_q, u_k = self.log_phi(q, 'q', offset), self.log_phi(k, 'k', offset)
-        c_q = u_q.detach().amax(-1) * self.shift
-        c_new = (u_k.detach().amax((-2, -1)) - self.KEY_RANGE).clamp_min(0) * self.shift
-        c_k = c_new if c_k is None else torch.maximum(c_k, c_new)
-        return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None, None]), c_q, c_k
+        with torch.autocast(q.device.type, enabled=False):
+            q, k = _acc(q), _acc(k)
+            if not self.log_domain:
+                phi_q, phi_k = self.phi(q, 'q', offset), self.phi(k, 'k', offset)
+                return phi_q, phi_k, phi_q.new_zeros(phi_q.shape[:-1]), phi_k.new_zeros(phi_k.shape[:-1])
+            u_q, u_k = self.log_phi(q, 'q', offset), self.log_phi(k, 'k', offset)
+            c_q, c_k = (u.detach().amax(-1) * self.shift for u in (u_q, u_k))
+            return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None]), c_q, c_k
 
     def phi(self, x, which, offset):  # the exact features of one side
         return torch.exp(self.log_phi(_acc(x), which, offset))
@@ -151,12 +152,12 @@ class PerformerFeatureMap(FeatureMap):
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.register_buffer('omega', _orthogonal_gaussian(n_heads, self.feature_dim, head_dim, self.generator))
 
-    def features(self, q, k, offset=0, c_k=None):
+    def features(self, q, k, offset=0):
         if self.training and self.redraw_interval > 0:
             if self.calls > 0 and self.calls % self.redraw_interval == 0:
                 self.omega.copy_(_orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim, self.generator))
             self.calls += 1
-        return super().features(q, k, offset, c_k)
+        return super().features(q, k, offset)
 
     def log_phi(self, x, which, offset):
         x = x * self.head_dim ** -0.25
@@ -340,8 +341,8 @@ class LLNFeatureMap(FeatureMap):
     def log_phi(self, x, which, offset):
         return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha q or beta k
 
-    def features(self, q, k, offset=0, c_k=None):
-        out = super().features(q, k, offset, c_k)
+    def features(self, q, k, offset=0):
+        out = super().features(q, k, offset)
         if self.training:  # this batch's statistics are used from the next forward on (causal honesty)
             self.calibrate(q, k, self.momentum)
         return out
@@ -436,37 +437,59 @@ class AttnSpec:
         return ':'.join([self.name] + parts)
 
 # ---- 4. linear attention: quadratic, chunked, recurrent, triton -------------
-def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None):
-    """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D), den_t = phi_q_t^T z_t
-    (B, H, T) and the final (S, z), float32; S_t, z_t over s <= t (causal) or all s, from initial_state. The
-    normaliser rides along as a value column of ones: [S | z] = sum_s phi_k_s [v_s | 1]^T, (B, H, F, D + 1)."""
+def _scaled(k, c, M):  # phi_k_s exp(c_s - M): keys in units of exp(-M), M >= every c_s (B, H, T, F)
+    return k * torch.exp(c - M[..., None])[..., None]
+
+def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None, c_k=None):
+    """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D), den_t = phi_q_t^T z_t (B, H, T),
+    S_t, z_t over s <= t (causal) or all s, from initial_state. The normaliser rides along as a value column of ones:
+    [S | z] = sum_s phi_k_s [v_s | 1]^T, (B, H, F, D + 1). Key shifts c_k (B, H, T) (None: 0): the exact key features
+    are phi_k exp(c_k), and row t comes in units of exp(-m_t), m_t the largest c_s of the keys it sees (a running max,
+    as online softmax: every factor exp(c_s - m_t) <= 1, so no key overflows, and a row that sees only small keys keeps
+    them). Returns num, den, m (B, H, T) and the final (S, z, m), float32; initial_state (S, z[, m = 0])."""
     q, k, v1 = _acc(phi_q), _acc(phi_k), F.pad(_acc(v), (0, 1), value=1.0)  # v1 = [v | 1] (B, H, T, D + 1)
     B, H, T, Fd = q.shape
-    Sz0 = q.new_zeros(B, H, Fd, v1.shape[-1]) if initial_state is None else \
-        torch.cat([initial_state[0], initial_state[1][..., None]], -1).to(q.dtype)
-    Sz = Sz0 + k.transpose(-2, -1) @ v1  # the final state, all tokens in
-    if not causal:  # bidirectional: quadratic materialises phi_q phi_k^T, the others read out one state
-        out = q @ k.transpose(-2, -1) @ v1 + q @ Sz0 if impl == 'quadratic' else q @ Sz
-    elif impl == 'quadratic':
-        out = (q @ k.transpose(-2, -1)).tril() @ v1 + q @ Sz0  # A_ts = phi_q_t . phi_k_s, s <= t
-    elif impl == 'recurrent':  # one token at a time: [S | z] += phi_k_t [v_t | 1]^T, read out phi_q_t
-        outs, Sz = [], Sz0
+    c = q.new_zeros(B, H, T) if c_k is None else _acc(c_k)
+    Sz0, m0 = (q.new_zeros(B, H, Fd, v1.shape[-1]), q.new_full((B, H), NO_KEY)) if initial_state is None else \
+        (torch.cat([initial_state[0], initial_state[1][..., None]], -1).to(q.dtype),
+         initial_state[2].to(q.dtype) if len(initial_state) > 2 else q.new_zeros(B, H))
+    m = (c.cummax(-1).values if causal else c.amax(-1, keepdim=True).expand_as(c)).maximum(m0[..., None])
+    M = m[..., -1]  # (B, H): the final state's units, all keys in
+    Sz = Sz0 * torch.exp(m0 - M)[..., None, None] + _scaled(k, c, M).transpose(-2, -1) @ v1
+    if impl == 'quadratic':  # A_ts = phi_q_t . phi_k_s exp(c_s - m_t), s <= t (causal) or all s
+        A = (q @ k.transpose(-2, -1)) * torch.exp((c[..., None, :] - m[..., None]).clamp(max=0))
+        out = (A.tril() if causal else A) @ v1 + (q @ Sz0) * torch.exp(m0[..., None] - m)[..., None]
+    elif not causal:  # bidirectional: every row reads the final state
+        out = q @ Sz
+    elif impl == 'recurrent':  # one token at a time: [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v 1]
+        outs, St, mt = [], Sz0, m0
         for t in range(T):
-            Sz = Sz + torch.einsum('bhf,bhd->bhfd', k[:, :, t], v1[:, :, t])
-            outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], Sz))
+            kt = k[:, :, t] * torch.exp(c[..., t] - m[..., t])[..., None]
+            St = St * torch.exp(mt - m[..., t])[..., None, None] + torch.einsum('bhf,bhd->bhfd', kt, v1[:, :, t])
+            mt = m[..., t]
+            outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], St))
         out = torch.stack(outs, 2)
-    else:  # chunked: intra-chunk quadratic + the state carried across chunks by a cumsum, O(T F D / C) memory
+    else:  # chunked: quadratic inside chunks of C, the state carried from chunk to chunk, O(T F D / C) memory
         C, n = chunk_size, math.ceil(T / chunk_size)
-        q, k, v1 = (F.pad(t, (0, 0, 0, n * C - T)).view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B, H, n, C, *)
-        after = torch.cumsum(k.transpose(-2, -1) @ v1, dim=2)  # (B, H, n, F, D + 1): [S | z] after each chunk
-        before = Sz0[:, :, None] + F.pad(after[:, :, :-1], (0, 0, 0, 0, 1, 0))  # and before it (not cumsum - x)
-        out = ((q @ k.transpose(-2, -1)).tril() @ v1 + q @ before).reshape(B, H, n * C, -1)[:, :, :T]
-    return out[..., :-1], out[..., -1], (Sz[..., :-1], Sz[..., -1])  # the last column: the normaliser
+        qc, kc, vc = (F.pad(t, (0, 0, 0, n * C - T)).view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B,H,n,C,*)
+        cc = F.pad(c, (0, n * C - T), value=NO_KEY).view(B, H, n, C)
+        mc = F.pad(m, (0, n * C - T), 'replicate').view(B, H, n, C)  # (B, H, n, C)
+        A = (qc @ kc.transpose(-2, -1)) * torch.exp((cc[..., None, :] - mc[..., None]).clamp(max=0))
+        Mc = mc[..., -1]  # (B, H, n): m after each chunk
+        Mb = torch.cat([m0[..., None], Mc[..., :-1]], -1)  # and before it
+        kv = _scaled(kc, cc, Mc).transpose(-2, -1) @ vc  # (B, H, n, F, D + 1): each chunk's keys, units exp(-M_j)
+        before = [Sz0]
+        for j in range(n - 1):  # the state before chunk j + 1, in units of exp(-M_j)
+            before.append(before[-1] * torch.exp(Mb[..., j] - Mc[..., j])[..., None, None] + kv[:, :, j])
+        out = A.tril() @ vc + (qc @ torch.stack(before, 2)) * torch.exp(Mb[..., None] - mc)[..., None]
+        out = out.reshape(B, H, n * C, -1)[:, :, :T]
+    return out[..., :-1], out[..., -1], m, (Sz[..., :-1], Sz[..., -1], M)  # the last column: the normaliser
 
-def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chunk_size=64,
-                     initial_state=None, return_state=False):
-    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps) (Katharopoulos et al. 2020): phi_q, phi_k (B, H, T, F), v
-    (B, H, T, D) -> y in v's dtype [, final (S, z) float32]; initial_state (S_0, z_0) continues a sequence.
+def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chunk_size=64, initial_state=None,
+                     return_state=False, c_k=None):
+    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps), 0 where that is 0 (a row whose features are all 0) (Katharopoulos
+    et al. 2020): phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y in v's dtype [, the final state, float32]; c_k: the
+    keys' shifts (linear_attention_parts). The state is (S, z), or (S, z, m) with key shifts or such an initial_state.
     impl 'chunked' runs the Triton kernel on CUDA where it fits (causal, F <= 256, D <= 128); 'triton' insists."""
     _choose('impl', impl, IMPLS)
     if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
@@ -478,15 +501,17 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=EPS, chun
             raise ValueError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
                              f"F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
                              f"{v.device.type}, F={Fd}, D={D}: use impl='chunked'")
-        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state)
-    num, den, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state)
-    y = (num / (den[..., None] + eps)).to(v.dtype)
-    return (y, state) if return_state else y
+        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state, c_k=c_k)
+    num, den, _, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
+    den = den + eps
+    y = (num / den.where(den > 0, 1.0)[..., None]).to(v.dtype)
+    shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
+    return (y, state if shifted else state[:2]) if return_state else y
 
-def linear_attention_weights(phi_q, phi_k, causal=True, eps=EPS):
+def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
     eye = torch.eye(phi_q.shape[2], device=phi_q.device, dtype=_acc(phi_q).dtype).expand(*phi_q.shape[:2], -1, -1)
-    return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', eps)
+    return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', c_k=c_k)
 
 # ---- 5. hybrids: sliding-window softmax + linear (LoLCATs), block-diagonal softmax + linear (LLN+Diag) ---
 def _band_blocks(x, w):
@@ -507,9 +532,9 @@ def _window_softmax(q, k, v, visible):
     a = torch.exp(s - m)
     return a @ v, a.sum(-1), m[..., 0]
 
-def _merge_softmax(a, b):
-    """Two unnormalised softmax parts (num, den, m) of _window_softmax over disjoint keys as one; m: the max
-    over the keys either row sees (a row that sees no key has den 0 and adds nothing)."""
+def _merge(a, b):
+    """Two unnormalised parts (num, den, m) over disjoint keys as one, each of true mass den exp(m) (_window_softmax's,
+    linear_attention_parts'); m: the larger of the two (a row that sees no key has den 0 and adds nothing)."""
     ma, mb = (x[2].where(x[1] > 0, -math.inf) for x in (a, b))
     m = torch.maximum(ma, mb).nan_to_num(neginf=0.0)
     ra, rb = torch.exp(ma - m), torch.exp(mb - m)
@@ -531,12 +556,14 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)[..., None]  # the window part's weight
     return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None]
 
-def window_linear_attention(q, k, v, phi_q, phi_k, c, spec, factor, causal=True, key_padding_mask=None, chunk_size=64):
+def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True, key_padding_mask=None,
+                            chunk_size=64):
     """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from spec: softmax over
     W(i) = {i - window < j <= i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel:
-    exp(c) phi_q.phi_k, c (B, H, T)). sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink tokens,
-    Xiao et al. 2024), not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k: 0 at
-    padding keys. O(T window + T F D / chunk) memory: blocks of `window` queries, linear keys shifted `window`."""
+    exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink
+    tokens, Xiao et al. 2024), not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k:
+    0 at padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory: blocks of `window` queries, linear keys
+    shifted `window`."""
     (B, H, T, D), w = q.shape, spec.window
     n, N = math.ceil(T / w), min(spec.sinks, T)
     qb = F.pad(_acc(q), (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)  # (B, H, n, w, D)
@@ -550,18 +577,21 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c, spec, factor, causal=True,
     if N:  # the sink keys outside the window: (T, N), with the padding (B, 1, T, N)
         i, j = torch.arange(T, device=q.device)[:, None], torch.arange(N, device=q.device)
         visible = ~_in_window(i, j, w, causal) & ((i >= j) | (not causal)) & keys[:, None, None, :N]
-        num_w, den_w, m = _merge_softmax((num_w, den_w, m), _window_softmax(_acc(q), _acc(k[:, :, :N]),
-                                                                            _acc(v[:, :, :N]), visible))
+        num_w, den_w, m = _merge((num_w, den_w, m), _window_softmax(_acc(q), _acc(k[:, :, :N]), _acc(v[:, :, :N]),
+                                                                    visible))
     if phi_q is None:  # no linear part: the softmax part alone (a row with no key gives 0)
         return (num_w / den_w.where(den_w > 0, 1.0)[..., None]).to(v.dtype)
-    pk = _acc(phi_k) * (torch.arange(T, device=q.device) >= N)[:, None]  # sinks are not in the linear part
-    shift = lambda x: F.pad(x, (0, 0, w, 0))[:, :, :T]  # noqa: E731, x_t <- x_{t - w}
-    num_l, den_l, _ = linear_attention_parts(phi_q, shift(pk), shift(v), True, spec.impl, chunk_size)
+    sink = torch.arange(T, device=q.device) < N  # sinks are not in the linear part
+    pk, ck = _acc(phi_k) * ~sink[:, None], c_k.masked_fill(sink, NO_KEY)
+    shift = lambda x, fill=0.0: torch.cat([x.new_full((*x.shape[:2], w, *x.shape[3:]), fill), x], 2)[:, :, :T]  # noqa
+    # (shift: x_t <- x_{t - w})
+    lin = linear_attention_parts(phi_q, shift(pk), shift(v), True, spec.impl, chunk_size, c_k=shift(ck, NO_KEY))[:3]
     if not causal:  # plus the keys j >= i + w: the same, backwards in time
-        num_r, den_r, _ = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, spec.impl,
-                                                 chunk_size)
-        num_l, den_l = num_l + num_r.flip(2), den_l + den_r.flip(2)
-    return combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, spec.combine).to(v.dtype)
+        back = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, spec.impl, chunk_size,
+                                      c_k=shift(ck.flip(2), NO_KEY))[:3]
+        lin = _merge(lin, [x.flip(2) for x in back])
+    num_l, den_l, m_l = lin
+    return combine_window_linear(num_w, den_w, m, num_l, den_l, c_q + m_l, factor, spec.combine).to(v.dtype)
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al. 2023, Sec. 4.2."""
@@ -648,14 +678,18 @@ class Attention(nn.Module):
                              f"{'causal' if self.causal else 'bidirectional'} {self.kind!r} core")
         if self.kind == 'softmax':
             y, state = self._softmax(q, k, v, state, key_padding_mask, return_state)
-        elif state is None or self.kind == 'linear':
-            y, state = self._parallel(q, k, v, state, key_padding_mask, return_state)
-        else:  # a hybrid continues one token at a time
-            ys = []
-            for t in range(q.shape[-2]):
-                y, state = self._hybrid_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
-                ys.append(y)
-            y = torch.cat(ys, 2)
+        else:  # the internals in float32 (float64 for float64 inputs) whatever autocast says; y in v's dtype
+            with torch.autocast(q.device.type, enabled=False):
+                qa, ka, va = _acc(q), _acc(k), _acc(v)
+                if state is None or self.kind == 'linear':
+                    y, state = self._parallel(qa, ka, va, state, key_padding_mask, return_state)
+                else:  # a hybrid continues one token at a time
+                    ys = []
+                    for t in range(q.shape[-2]):
+                        y, state = self._hybrid_step(qa[:, :, t:t + 1], ka[:, :, t:t + 1], va[:, :, t:t + 1], state)
+                        ys.append(y)
+                    y = torch.cat(ys, 2)
+            y = y.to(v.dtype)
         return (y, state) if return_state else y
 
     def _softmax(self, q, k, v, state, key_padding_mask, return_state):
@@ -672,72 +706,72 @@ class Attention(nn.Module):
         y = softmax_attention(q, kc[:, :, :n + T], vc[:, :, :n + T], causal=False, attn_mask=mask)
         return y, {'kind': 'softmax', 'offset': n + T, 'k': kc, 'v': vc}
 
-    def _features(self, q, k, state):
-        """phi_q, phi_k, c_q, c_k and the state's S, z, phi_k moved to the new key shift c_k (or None)."""
-        if state is None:
-            return (*self.fmap.features(q, k), None)
-        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, state['offset'], state['c_k'])
-        r = torch.exp(state['c_k'] - c_k)[..., None, None]  # (B, H, 1, 1)
-        moved = [state['S'] * r, state['z'] * r[..., 0]] + ([state['phi_k'] * r] if 'phi_k' in state else [])
-        return phi_q, phi_k, c_q, c_k, moved
-
     def _parallel(self, q, k, v, state, key_padding_mask, return_state):
-        """All tokens at once: linear (from a state or not), or a hybrid from scratch. The state: (S, z) in units
-        of exp(-c_k), the key shift c_k, and for a hybrid the tokens still in its window / partial block."""
+        """All tokens at once: linear (from a state or not), or a hybrid from scratch. The state: (S, z) in units of
+        exp(-m), m the largest key shift in it, and for a hybrid the tokens still in its window / partial block."""
         T, g, causal, lin = q.shape[-2], self.kv_groups, self.causal, self.fmap is not None  # lin: a linear part
-        phi_q, phi_k, c_q, c_k, init = self._features(q, k, state) if lin else (None,) * 5
+        offset = 0 if state is None else state['offset']
+        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset) if lin else (None,) * 4
         if key_padding_mask is not None and lin:
-            phi_k = phi_k * key_padding_mask[:, None, :, None]
-        new = {'kind': self.kind, 'offset': T + (0 if state is None else state['offset']), 'c_k': c_k}
+            phi_k, c_k = phi_k * key_padding_mask[:, None, :, None], c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
+        new = {'kind': self.kind, 'offset': offset + T}
         if self.kind == 'window':
-            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q + c_k[..., None] if lin else None, self.spec,
-                                        self.factor(), causal, key_padding_mask, self.chunk_size)
+            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(), causal,
+                                        key_padding_mask, self.chunk_size)
             if not (return_state and causal):
                 return y, None
             cut = max(T - (self.window - 1), 0)  # tokens < cut left the window: the sinks, then (S, z)
             n = min(self.spec.sinks, cut)
             new.update(k=k[:, ::g, cut:].clone(), v=v[:, ::g, cut:].clone(), sk=k[:, ::g, :n].clone(),
                        sv=v[:, ::g, :n].clone())
-            return y, new if not lin else {
-                **new, 'phi_k': phi_k[:, :, cut:].clone(), 'z': phi_k[:, :, n:cut].sum(-2),
-                'S': torch.einsum('bhtf,bhtd->bhfd', phi_k[:, :, n:cut], _acc(v[:, :, n:cut]))}
-        y, (S, z) = linear_attention(phi_q, phi_k, v, causal, self.spec.impl, EPS, self.chunk_size, init, True)
+            if not lin:
+                return y, new
+            m = F.pad(c_k[..., n:cut], (1, 0), value=NO_KEY).amax(-1)  # (B, H), NO_KEY when no token left
+            pk = _scaled(phi_k[:, :, n:cut], c_k[..., n:cut], m)
+            return y, {**new, 'phi_k': phi_k[:, :, cut:].clone(), 'c': c_k[..., cut:].clone(), 'z': pk.sum(-2),
+                       'S': torch.einsum('bhtf,bhtd->bhfd', pk, v[:, :, n:cut]), 'm': m}
+        init = None if state is None else (state['S'], state['z'], state['m'])
+        y, (S, z, m) = linear_attention(phi_q, phi_k, v, causal, self.spec.impl, 0.0, self.chunk_size, init, True, c_k)
         if self.kind == 'diag':
             b = self.spec.diag_block
-            y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, causal, key_padding_mask).to(y.dtype))
+            y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, causal, key_padding_mask))
             new.update(k=k[:, ::g, T // b * b:].clone(), v=v[:, ::g, T // b * b:].clone())  # the partial block
-        return y, {**new, 'S': S, 'z': z}
+        return y, {**new, 'S': S, 'z': z, 'm': m}
 
     def _hybrid_step(self, q, k, v, state):
         """One decode token of a hybrid, from its constant-size state."""
         g, offset, lin = self.kv_groups, state['offset'], self.fmap is not None
         if lin:
-            phi_q, phi_k, c_q, c_k, (S, z, *pkw) = self._features(q, k, state)
+            (phi_q, phi_k, c_q, c_k), S, z, m = self.fmap.features(q, k, offset), state['S'], state['z'], state['m']
         kw, vw = torch.cat([state['k'], k[:, ::g]], 2), torch.cat([state['v'], v[:, ::g]], 2)  # (B, H_kv, <=w, D)
-        new = {'kind': self.kind, 'offset': offset + 1, 'c_k': c_k if lin else None}
+        new = {'kind': self.kind, 'offset': offset + 1}
         if self.kind == 'diag':  # the token's block: the buffered partial block and itself
-            y, (S, z) = linear_attention(phi_q, phi_k, v, True, 'recurrent', EPS, self.chunk_size, (S, z), True)
-            y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False).to(y.dtype))
+            y, (S, z, m) = linear_attention(phi_q, phi_k, v, True, 'recurrent', 0.0, 1, (S, z, m), True, c_k)
+            y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False))
             keep = kw.shape[2] if (offset + 1) % self.spec.diag_block else 0  # a full block empties the buffer
-            return y, {**new, 'S': S, 'z': z, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
-        kv = lambda x: _acc(x.repeat_interleave(g, 1))  # noqa: E731, GQA: query head h reads kv head h // g
+            return y, {**new, 'S': S, 'z': z, 'm': m, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
+        kv = lambda x: x.repeat_interleave(g, 1)  # noqa: E731, GQA: query head h reads kv head h // g
         sk, sv = state['sk'], state['sv']  # the sink tokens that left the window
-        num_w, den_w, m = _window_softmax(_acc(q), kv(torch.cat([sk, kw], 2)), kv(torch.cat([sv, vw], 2)),
-                                          torch.ones((), dtype=torch.bool, device=q.device))
+        num_w, den_w, mw = _window_softmax(q, kv(torch.cat([sk, kw], 2)), kv(torch.cat([sv, vw], 2)),
+                                           torch.ones((), dtype=torch.bool, device=q.device))
         if lin:
-            pkw = torch.cat([pkw[0], phi_k], 2)  # (B, H, <=w, F)
-            y = combine_window_linear(num_w, den_w, m, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + c_k[..., None],
+            pkw, ckw = torch.cat([state['phi_k'], phi_k], 2), torch.cat([state['c'], c_k], 2)  # (B, H, <=w, F)
+            y = combine_window_linear(num_w, den_w, mw, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + m[..., None],
                                       self.factor(), self.window_combine)
         else:  # sliding-window softmax alone (the token itself is always a key: den_w > 0)
             y = num_w / den_w[..., None]
         if kw.shape[2] == self.window:  # the oldest token leaves the window: to the sinks, or to the linear state
             if offset + 1 - self.window < self.spec.sinks:
                 sk, sv = torch.cat([sk, kw[:, :, :1]], 2), torch.cat([sv, vw[:, :, :1]], 2)
-            elif lin:
-                S, z = S + torch.einsum('bhf,bhd->bhfd', pkw[:, :, 0], kv(vw[:, :, :1])[:, :, 0]), z + pkw[:, :, 0]
-            kw, vw, pkw = kw[:, :, 1:], vw[:, :, 1:], pkw[:, :, 1:] if lin else None
+            elif lin:  # (S, z) move to units of exp(-m'), m' = max(m, the token's c)
+                m_new = torch.maximum(m, ckw[..., 0])
+                pk, r = _scaled(pkw[:, :, :1], ckw[..., :1], m_new)[:, :, 0], torch.exp(m - m_new)
+                S = S * r[..., None, None] + torch.einsum('bhf,bhd->bhfd', pk, kv(vw[:, :, :1])[:, :, 0])
+                z, m = z * r[..., None] + pk, m_new
+            kw, vw = kw[:, :, 1:], vw[:, :, 1:]
+            pkw, ckw = (pkw[:, :, 1:], ckw[..., 1:]) if lin else (None, None)
         new.update(k=kw, v=vw, sk=sk, sv=sv)
-        return y.to(v.dtype), new if not lin else {**new, 'S': S, 'z': z, 'phi_k': pkw}
+        return y, new if not lin else {**new, 'S': S, 'z': z, 'm': m, 'phi_k': pkw, 'c': ckw}
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""

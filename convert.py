@@ -246,7 +246,7 @@ def transfer_loss(core, q, k, v, mask, weights):
         if core.fmap is None:
             raise ValueError("the l2 kernel loss needs a feature map")
         phi_q, phi_k, c_q, c_k = core.fmap.features(q, k)   # the exact features (shifts undone): the kernel is
-        phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None, None]   # unnormalised
+        phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]   # unnormalised
         if mask is not None:
             phi_k = phi_k * mask[:, None, :, None]
         loss = loss + weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)

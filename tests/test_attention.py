@@ -73,7 +73,7 @@ def test_linear_attention_matches_definition():
     ref = torch.zeros_like(vd)
     for t in range(11):
         w = (pq[:, :, t:t + 1] * pk[:, :, :t + 1]).sum(-1)  # (B, H, t+1)
-        ref[:, :, t] = (w[..., None] * vd[:, :, :t + 1]).sum(2) / (w.sum(-1, keepdim=True) + A.EPS)
+        ref[:, :, t] = (w[..., None] * vd[:, :, :t + 1]).sum(2) / w.sum(-1, keepdim=True)
     assert rel_err(y.double(), ref) < 1e-6
 
 
@@ -202,24 +202,35 @@ def test_gradients_reach_trainable_maps(name):
         assert p.grad is not None and p.grad.abs().sum() > 0, n
 
 
-EXP_MAPS = [('hedgehog', {}), ('hedgehog', {'softmax_dim': False}), ('lolcats', {}),
-            ('lolcats', {'activation': 'exp'}), ('lln', {}), ('performer', {}), ('dof', {}),
-            ('exp', {'temperature': 2.0})]
+HALF_SPECS = [f'{name}{hybrid}' for name in MAPS for hybrid in ('', ':window=4:sinks=2', ':diag_block=5')] + \
+    ['softmax:window=4:sinks=2']
 
 
-@pytest.mark.parametrize("name,opts", EXP_MAPS)
+@pytest.mark.parametrize("spec", HALF_SPECS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_exp_maps_finite_in_half_precision(name, opts, dtype):
-    q, k, v = qkv(T=19, scale=8.0)
-    q, k = q.clamp(-20, 20), k.clamp(-20, 20)
-    q[..., 0, :], k[..., 1, :] = 20.0, -20.0
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    fmap = A.make_feature_map(name, D, H, **opts).to(dtype)
-    phi_q, phi_k = fmap(q, k)
-    assert torch.isfinite(phi_q).all() and torch.isfinite(phi_k).all()
-    for impl in PATHS:
-        y = A.linear_attention(phi_q, phi_k, v, impl=impl, chunk_size=8)
-        assert y.dtype == dtype and torch.isfinite(y).all(), impl
+def test_half_precision_autocast(spec, dtype):
+    """Issue 27: under bf16/fp16 autocast (train.py on a GPU) the cores compute in float32: features, the linear state,
+    the window softmax, the division (fp16 used to give NaN for Performer and DoF, and overflow LLN). fp32 inputs:
+    within 1e-4 of float64, parallel and decode; bf16/fp16 inputs: |y - y64| <= 2 eps(dtype) max|y64|, y64 the
+    float64 output on the same rounded inputs, and y in the inputs' dtype."""
+    q, k, v = qkv(T=40, D=16, scale=2.0)
+    core = A.Attention(spec, 16, H).eval()
+    core.chunk_size = 16
+    ref = core.double()
+    y64 = {dt: ref(*(x.to(dt).double() for x in (q, k, v))) for dt in (torch.float32, dtype)}
+    core.float()
+    with torch.autocast('cpu', dtype=dtype):
+        y, y_lp = core(q, k, v), core(q.to(dtype), k.to(dtype), v.to(dtype))
+        _, st = core(q[:, :, :9], k[:, :, :9], v[:, :, :9], return_state=True)
+        outs = []
+        for t in range(9, 40):
+            yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+            outs.append(yt)
+    eps = torch.finfo(dtype).eps
+    assert y.dtype == torch.float32 and y_lp.dtype == dtype
+    assert rel_err(y.double(), y64[torch.float32]) < 1e-4
+    assert (y_lp.double() - y64[dtype]).abs().max() <= 2 * eps * y64[dtype].abs().max()
+    assert rel_err(torch.cat(outs, 2).double(), y64[torch.float32][:, :, 9:]) < 1e-4
 
 
 def test_lln_fit_constants():
@@ -360,7 +371,7 @@ def test_kernel_l2():
     fmap = A.make_feature_map('dof', D, H)
     phi_q, phi_k, c_q, c_k = fmap.features(q, k)
     exact = A.kernel_l2(fmap.phi(q, 'q', 0), fmap.phi(k, 'k', 0), q, k)
-    assert torch.allclose(A.kernel_l2(phi_q * (c_q + c_k[..., None]).exp()[..., None], phi_k, q, k), exact, rtol=1e-5)
+    assert torch.allclose(A.kernel_l2(phi_q * c_q.exp()[..., None], phi_k * c_k.exp()[..., None], q, k), exact, rtol=1e-5)
 
 
 def test_bad_input_errors():
@@ -551,17 +562,97 @@ def test_window_mix_calibration_sets_teacher_window_mass():
 
 
 def test_features_shift_is_exact():
-    """phi(q) = phi_q' exp(c_q), phi(k) = phi_k' exp(c_k) for the exp maps; after the shifts every query's largest
-    feature is 1; keys are shifted only past FeatureMap.KEY_RANGE, to at most exp(KEY_RANGE)."""
+    """phi(x) = phi' exp(c) for every query and key; for the exp maps c is its largest log-feature, so every feature
+    is <= 1 and the largest is 1 (any scale of q and k); forward() keeps one key shift per sequence, the largest."""
     q, k = big_qk(sink=True)
+    k = k * 3  # key log-features far past float32's e^88
     for name, opts in ROBUST_MAPS:
         fmap = A.make_feature_map(name, 16, 2, **opts).double().eval()
         pq, pk, c_q, c_k = fmap.features(q, k)
+        assert c_q.shape == c_k.shape == q.shape[:3], name
         assert torch.allclose(pq * c_q.exp()[..., None], fmap.phi(q, 'q', 0), rtol=1e-9), name
-        assert torch.allclose(pk * c_k.exp()[..., None, None], fmap.phi(k, 'k', 0), rtol=1e-9), name
         if fmap.log_domain:
-            assert pq.amax(-1).sub(1).abs().max() < 1e-12, name
-            assert (c_k >= 0).all() and (pk <= math.exp(fmap.KEY_RANGE) * (1 + 1e-12)).all(), name
+            assert torch.allclose(pk.log() + c_k[..., None], fmap.log_phi(k, 'k', 0), rtol=1e-9, atol=1e-9), name
+            for p in (pq, pk):
+                assert p.amax(-1).sub(1).abs().max() < 1e-12 and (p <= 1).all(), name
+            _, pk_fwd = fmap(q, k)
+            assert torch.allclose(pk_fwd, pk * (c_k - c_k.amax(-1, keepdim=True)).exp()[..., None]), name
+        else:
+            assert torch.allclose(pk, fmap.phi(k, 'k', 0), rtol=1e-9) and (c_k == 0).all(), name
+
+
+def log_space_ref(fmap, q, k, v, causal):
+    """float64 softmax over the exact log-kernel (logsumexp over the features): sum_j k_ij v_j / sum_j k_ij."""
+    logk = exact_log_kernel(fmap, q, k)
+    if causal:
+        logk = logk.masked_fill(~A.causal_mask(q.shape[-2], q.shape[-2]), -math.inf)
+    return torch.softmax(logk, -1) @ v
+
+
+def check_paths_and_decode(name, q, k, v, opts=None, tol=1e-4, prefill=7):
+    """fp32 outputs of every PyTorch path, causal and bidirectional, and of decoding token by token from a prefill,
+    against the log-space float64 reference."""
+    for causal in (True, False):
+        core = core_of(name, q.shape[-1], q.shape[1], causal=causal, chunk_size=16, options=opts).eval()
+        ref = log_space_ref(core.fmap, q, k, v, causal)
+        core.float()
+        qf, kf, vf = q.float(), k.float(), v.float()
+        for impl in PATHS:
+            core.spec = dataclasses.replace(core.spec, impl=impl)
+            assert rel_err(core(qf, kf, vf).double(), ref) < tol, (impl, causal, rel_err(core(qf, kf, vf).double(), ref))
+        if causal:
+            y, st = core(qf[:, :, :prefill], kf[:, :, :prefill], vf[:, :, :prefill], return_state=True)
+            ys = [y]
+            for t in range(prefill, q.shape[-2]):
+                y, st = core(qf[:, :, t:t + 1], kf[:, :, t:t + 1], vf[:, :, t:t + 1], state=st, return_state=True)
+                ys.append(y)
+            assert rel_err(torch.cat(ys, 2).double(), ref) < tol
+
+
+def unit_rows(*shape, g):
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("name", ['performer', 'dof'])
+@pytest.mark.parametrize("norm", [1, 10, 40, 100])
+def test_keys_at_any_norm_match_log_space(name, norm):
+    """Issue 27: Performer's and DoF's features carry exp(-|x|^2 / 2 sqrt D), e^-625 at |k| = 100 (D = 64), where a
+    shared key shift left the denominator below any eps (rows between 1e-13 and 0.57 instead of weighted means).
+    Every key at one norm from 1 to 100, queries at norm 8: every path and decoding equal the log-space formula."""
+    g = torch.Generator().manual_seed(norm)
+    q, k = unit_rows(1, 2, 40, 64, g=g) * 8, unit_rows(1, 2, 40, 64, g=g) * norm
+    check_paths_and_decode(name, q, k, torch.randn(1, 2, 40, 64, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("level", [-100, -60, 0, 60, 100])
+def test_exp_map_log_features_from_minus_100_to_100(level):
+    """exp map: key log-features (its coordinates) around `level`, from e^-100 (below float32) to e^100 (above it):
+    the outputs equal the log-space formula; every key coordinate at -60 and every value 1 gives exactly 1."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 30, 16, generator=g, dtype=torch.float64)
+    k = level + torch.randn(1, 2, 30, 16, generator=g, dtype=torch.float64)
+    check_paths_and_decode('exp', q, k, torch.randn(1, 2, 30, 16, generator=g, dtype=torch.float64))
+    ones = torch.ones(1, 2, 30, 16)
+    y = core_of('exp', 16, 2)(q.float(), torch.full_like(ones, -60.0), ones)
+    assert (y - 1).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("name", ['performer', 'dof', 'exp'])
+def test_key_norms_varying_within_a_sequence(name):
+    """Key scales that differ by more than float32's range within one sequence: the first 20 keys tiny (norm 40,
+    exp: coordinates near -150), the rest at norm 2. Each causal row is scaled by the largest key it sees (a running
+    max), so a query that sees only the tiny keys gets their weighted mean; later rows are dominated by the large
+    keys, as in float64. Bidirectional rows see every key, so one scale (the largest) serves them all."""
+    g = torch.Generator().manual_seed(1)
+    T, D = 40, 16
+    q = unit_rows(1, 2, T, D, g=g) * 4
+    if name == 'exp':
+        k = torch.randn(1, 2, T, D, generator=g, dtype=torch.float64) - 150 * (torch.arange(T) < 20)[:, None]
+    else:
+        k = unit_rows(1, 2, T, D, g=g) * torch.where(torch.arange(T) < 20, 40.0, 2.0)[:, None].double()
+    v = torch.randn(1, 2, T, D, generator=g, dtype=torch.float64)
+    check_paths_and_decode(name, q, k, v, prefill=5)
 
 
 def test_lolcats_activations():

@@ -367,7 +367,7 @@ def test_l2_loss_is_dofs_kernel_loss_in_float64():
         core.fmap.log_a.copy_(torch.tensor([[0.2, -0.3, 0.1]]))
     q = torch.tensor([[[[0.5, -1., 0., 1.], [1., 1., 0., 0.], [0., 0.5, 0.5, 0.]]]])
     k = torch.tensor([[[[3., 1., 0., 2.], [-2., 0., 1., 1.], [4., 4., -1., 0.]]]])
-    loss = C.transfer_loss(core, q, k, torch.randn(1, 1, 3, D), None, {'l2': 1.0})
+    loss = C.transfer_loss(core, q, k, torch.randn(1, 1, 3, D), None, {"l2": 1.0}).detach()
     z, a = core.fmap.z.detach()[0].double(), core.fmap.log_a.detach()[0].double().exp()
 
     def phi(x):   # (T, D) -> (T, M)
@@ -375,4 +375,4 @@ def test_l2_loss_is_dofs_kernel_loss_in_float64():
     qd, kd = q[0, 0].double(), k[0, 0].double()
     err = (phi(qd) @ phi(kd).T - torch.exp(qd @ kd.T / D ** 0.5)) ** 2
     ref = err[torch.tril(torch.ones(3, 3, dtype=torch.bool))].mean()
-    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)

@@ -67,15 +67,18 @@ def make(B, H, T, F, D, seed=0, init=False):
     return [x.to(DEV).requires_grad_() for x in xs]
 
 
-def run(fn, xs, eps, with_state, upstream, **kw):
-    """Forward through fn with inputs xs (q, k, v[, S0, z0]); returns outputs and the gradients of
-    <y, gy> + <S_T, gS> + <z_T, gz> w.r.t. every input."""
+def run(fn, xs, eps, with_state, upstream, shifts=None, **kw):
+    """Forward through fn with inputs xs (q, k, v[, S0, z0]) and key shifts (c, m0) or None; returns outputs and the
+    gradients of <y, gy> + <S_T, gS> + <z_T, gz> w.r.t. every input."""
     q, k, v = xs[:3]
     init = (xs[3], xs[4]) if len(xs) == 5 else None
+    if shifts is not None:
+        kw['c_k'] = shifts[0]
+        init = None if init is None else (*init, shifts[1])
     out = fn(q, k, v, eps=eps, initial_state=init, return_state=with_state, **kw)
     gy, gS, gz = upstream
     if with_state:
-        y, (S, z) = out
+        y, (S, z, *_) = out
         loss = (y.double() * gy).sum() + (S.double() * gS).sum() + (z.double() * gz).sum()
         outs = (y, S, z)
     else:
@@ -86,7 +89,10 @@ def run(fn, xs, eps, with_state, upstream, **kw):
     return outs, grads
 
 
-def check(shape, dtype=torch.float32, init=False, with_state=False, chunk=16, eps=1e-6, seed=0):
+def check(shape, dtype=torch.float32, init=False, with_state=False, chunk=16, eps=1e-6, seed=0, shifts=False):
+    """The kernel against the reference in float64 on the same rounded inputs: y, the state and every gradient
+    within TOL (relative norm); bf16/fp16: also |y - y64| <= 2 eps(dtype) max|y64|. shifts: key shifts c near -120 in
+    the first half and +120 in the second (far outside float32's e^+-88), the initial state's m0 = -117."""
     B, H, T, F, D = shape
     xs64 = make(B, H, T, F, D, seed=seed, init=init)
     # the reference sees the same rounded inputs as the kernel
@@ -97,10 +103,17 @@ def check(shape, dtype=torch.float32, init=False, with_state=False, chunk=16, ep
                 torch.randn(B, H, F, D, generator=g, dtype=torch.float64),
                 torch.randn(B, H, F, generator=g, dtype=torch.float64))
     upstream = tuple(u.to(DEV) for u in upstream)
-    ref_out, ref_grads = run(K.causal_linear_attention_reference, xs_ref, eps, with_state, upstream)
-    out, grads = run(K.causal_linear_attention, xs_lp, eps, with_state, upstream, chunk_size=chunk)
+    sh = None
+    if shifts:   # two groups e^240 apart, each spread over e^6 (so that no row is dominated by one key)
+        c = torch.where(torch.arange(T) < T // 2, -120.0, 120.0).double() + torch.rand(B, H, T, generator=g) * 6
+        sh = (c.to(DEV), torch.full((B, H), -117.0, dtype=torch.float64, device=DEV))
+    ref_out, ref_grads = run(K.causal_linear_attention_reference, xs_ref, eps, with_state, upstream, sh)
+    out, grads = run(K.causal_linear_attention, xs_lp, eps, with_state, upstream, sh and (sh[0].float(), sh[1].float()),
+                     chunk_size=chunk)
     tol = TOL[dtype]
     assert out[0].dtype == dtype and out[0].shape == (B, H, T, D)
+    if dtype != torch.float32:
+        assert (out[0].double() - ref_out[0]).abs().max() <= 2 * torch.finfo(dtype).eps * ref_out[0].abs().max()
     for name, a, b in zip(('y', 'S_T', 'z_T'), out, ref_out):
         assert rel(a, b) < tol, (name, rel(a, b))
     for name, a, b, x in zip(('dq', 'dk', 'dv', 'dS0', 'dz0'), grads, ref_grads, xs_lp):
@@ -114,7 +127,7 @@ def test_reference_matches_recurrence():
     """The kernel's own cumsum reference against attention.py's token-by-token recurrence, float64."""
     xs = [x.detach().cpu() for x in make(2, 2, 23, 8, 5, init=True)]
     y1, (S1, z1) = K.causal_linear_attention_reference(*xs[:3], initial_state=(xs[3], xs[4]), return_state=True)
-    y2, (S2, z2) = A.linear_attention(*xs[:3], impl='recurrent', eps=K.DEFAULT_EPS, initial_state=(xs[3], xs[4]),
+    y2, (S2, z2) = A.linear_attention(*xs[:3], impl='recurrent', initial_state=(xs[3], xs[4]),
                                       return_state=True)
     assert rel(y1, y2) < 1e-12 and rel(S1, S2) < 1e-12 and rel(z1, z2) < 1e-12
 
@@ -154,6 +167,47 @@ def test_large_feature_dim():
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(dtype):
     check((1, 2, 37, 32, 16), dtype, init=True, with_state=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize('shape,init', [((1, 2, 37, 16, 16), True), ((1, 1, 45, 64, 32), False),
+                                        ((2, 1, 50, 48, 24), True)])
+def test_key_shifts_forward_backward(shape, init):
+    """Key shifts and the running max (each row in units of exp(-m_t)): forward, final (S, z) and gradients,
+    against the reference's definition in float64, with and without an initial state (S0, z0, m0)."""
+    check(shape, torch.float32, init=init, with_state=True, shifts=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_key_shifts_half_precision(dtype):
+    check((1, 2, 37, 32, 16), dtype, init=True, with_state=True, shifts=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize('name,norms', [('performer', (1.0, 1.0)), ('performer', (100.0, 100.0)),
+                                        ('dof', (40.0, 40.0)), ('performer', (40.0, 2.0))])
+def test_triton_entry_at_any_key_norm(name, norms):
+    """Issue 27 through the kernel: keys at norm 1, 40 or 100 (exp(-|k|^2 / 2 sqrt D) is e^-625 at 100), or the first
+    half at 40 and the rest at 2 (a row that sees only the tiny keys gets their weighted mean): the core with
+    impl=triton, fp32, prefill then decoding, equals the formula in log space in float64 (no eps in the way)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 1, 2, 40, 64
+    unit = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    q = unit(torch.randn(B, H, T, D, generator=g, dtype=torch.float64)) * 8
+    k = unit(torch.randn(B, H, T, D, generator=g, dtype=torch.float64)) * torch.where(
+        torch.arange(T) < T // 2, norms[0], norms[1])[:, None].double()
+    v = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    core = A.Attention(f'{name}:impl=triton', D, H).double().eval()
+    u_q, u_k = core.fmap.log_phi(q, 'q', 0), core.fmap.log_phi(k, 'k', 0)
+    logk = torch.logsumexp(u_q[..., :, None, :] + u_k[..., None, :, :], -1)
+    ref = torch.softmax(logk.masked_fill(~A.causal_mask(T, T), -math.inf), -1) @ v
+    core = core.float().to(DEV)
+    qf, kf, vf = (x.float().to(DEV) for x in (q, k, v))
+    y, st = core(qf[:, :, :23], kf[:, :, :23], vf[:, :, :23], return_state=True)
+    y2, _ = core(qf[:, :, 23:], kf[:, :, 23:], vf[:, :, 23:], state=st, return_state=True)
+    for out in (core(qf, kf, vf), torch.cat([y, y2], 2)):
+        assert ((out.cpu().double() - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
 @needs_kernel
@@ -238,7 +292,7 @@ def test_impl_triton_uses_the_kernel():
     """attention.linear_attention(impl='triton') runs the kernel (here: in the interpreter)."""
     xs = [x.detach().float() for x in make(1, 1, 17, 16, 16)]
     assert K.triton_available(xs[2])
-    y = A.linear_attention(*xs, impl='triton', eps=K.DEFAULT_EPS)
+    y = A.linear_attention(*xs, impl='triton')
     assert rel(y, K.causal_linear_attention_reference(*[x.double() for x in xs])) < 1e-5
 
 
