@@ -53,10 +53,10 @@ def causal_mask(T_q, T_k, device=None):
     """(T_q, T_k) bool, True where query i (at absolute position T_k - T_q + i) may see key j."""
     return torch.arange(T_k, device=device) <= torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
 
-def softmax_weights(q, k, causal=True):
+def softmax_weights(q, k, causal=True, attn_mask=None):
     """The (B, H, T, T) matrix of softmax attention, float32: its output for the identity matrix as values."""
     eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
-    return softmax_attention(q.float(), k.float(), eye, causal)
+    return softmax_attention(q.float(), k.float(), eye, causal, attn_mask)
 
 # ---- 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F) ---
 class FeatureMap(nn.Module):
@@ -401,8 +401,17 @@ class AttnSpec:
         _choose('attention', self.name, ATTN_CHOICES)
         _choose('window combine', self.combine, WINDOW_COMBINES)
         _choose('impl', self.impl, IMPLS)
-        known = list(inspect.signature(FEATURE_MAPS.get(self.name, FeatureMap)).parameters)[2:]
+        params = inspect.signature(FEATURE_MAPS.get(self.name, FeatureMap)).parameters
+        known = list(params)[2:]
         unknown = [key for key, _ in self.options if key not in known]
+        types = {**{f.name: f.type for f in fields(self)[1:-1]},   # a map option's: its default's (None: int)
+                 **{key: int if params[key].default is None else type(params[key].default) for key in known}}
+        ok = lambda x, t: type(x) is t or (t is float and type(x) is int)  # noqa: E731
+        wrong = [f"{key}={value!r} is not {types[key].__name__}" for key, value in
+                 [(f.name, getattr(self, f.name)) for f in fields(self)[1:-1]] + list(self.options)
+                 if key in types and not ok(value, types[key])]
+        if wrong:
+            raise ValueError(f"attention spec '{self}': {', '.join(wrong)}")
         for bad, why in ((self.window < 0 or self.diag_block < 0, "window and diag_block must be >= 0"),
                          (self.window and self.diag_block, "choose one hybrid, window or diag_block, not both"),
                          (self.combine != 'joint' and not self.window, "combine is the window's form: set window"),
@@ -652,19 +661,28 @@ class Attention(nn.Module):
         return torch.sigmoid(self.window_factor) if self.fmap is not None else None
 
     @torch.no_grad()
-    def calibrate(self, q, k):
-        """Initialisation from teacher queries/keys (B, H, T, D): LLN's statistics; mix's s = the teacher's mean softmax
-        mass in the window over rows seeing keys outside it, exact for an average row (clamped to [1e-4, 1-1e-4])."""
+    def calibrate(self, q, k, key_padding_mask=None):
+        """Initialisation from teacher queries/keys (B, H, T, D) of B sequences (key_padding_mask (B, T): True at real
+        tokens): LLN's statistics of the real tokens; mix's s = the teacher's mean softmax mass in the softmax part
+        (window and sinks) over the rows that also see other keys, exact for an average row (clamped to [1e-4,
+        1 - 1e-4]), one sequence at a time (H x T x T floats)."""
+        B, H, T, _ = q.shape
+        real = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
         if hasattr(self.fmap, 'calibrate'):
-            self.fmap.calibrate(q, k)
+            self.fmap.calibrate(*(x.transpose(1, 2)[real.bool()].transpose(0, 1)[None] for x in (q, k)))  # (1, H, N, D)
         if self.window and self.window_combine == 'mix':
-            j = torch.arange(q.shape[-2], device=q.device)
-            inside = _in_window(j[:, None], j, self.window, self.causal)  # (T, T)
-            rows = (j >= self.window) if self.causal else (~inside).any(-1)
-            if rows.any():  # one batch element at a time (H x T x T floats)
-                total = sum((softmax_weights(q[b:b + 1], k[b:b + 1], self.causal)[0] * inside).sum(-1)[:, rows]
-                            .double().sum(-1) for b in range(len(q)))  # (H,)
-                self.window_factor.copy_(torch.logit((total / (rows.sum() * len(q))).clamp(1e-4, 1 - 1e-4)))
+            j = torch.arange(T, device=q.device)
+            seen = causal_mask(T, T, q.device) if self.causal else torch.ones(T, T, dtype=torch.bool, device=q.device)
+            soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen  # (T, T)
+            total, n = 0.0, 0
+            for b in range(B):
+                vis = seen & real[b].bool()  # the real keys of each row
+                rows = real[b].bool() & (vis & ~soft).any(-1)  # real rows that see keys of the linear part too
+                total = total + (softmax_weights(q[b:b + 1], k[b:b + 1], attn_mask=vis)[0] * soft).sum(-1)[:, rows] \
+                    .double().sum(-1)  # (H,)
+                n += int(rows.sum())
+            if n:
+                self.window_factor.copy_(torch.logit((total / n).clamp(1e-4, 1 - 1e-4)))
 
     def extra_repr(self):
         return f"spec='{self.spec}', causal={self.causal}, kv_groups={self.kv_groups}"

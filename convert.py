@@ -306,24 +306,25 @@ def evaluate(model, module, task, cfg, rt, layers):
 
 @torch.no_grad()
 def teacher_qk(model, batches, layers, rt):
-    """{layer: (q, k)}: the teacher's queries and keys on calibration batches, (B, H, T, D) each; GLUE's
-    padded batches: their real tokens as one sequence, (1, H, N, D)."""
-    qs = {l: ([], []) for l in layers}
-    for b in batches:
-        rec = _teacher_qkv(model, b, layers, rt.device)
-        for l in layers:
-            q, k, _, mask = rec[l]
-            for i, x in enumerate((q.float(), k.float())):
-                qs[l][i].append(x if mask is None else x.transpose(1, 2)[mask.bool()].transpose(0, 1)[None])
-    dim = 2 if len(batches[0]) == 4 else 0   # GLUE: all the batches' real tokens as one sequence
-    return {l: (torch.cat(q, dim), torch.cat(k, dim)) for l, (q, k) in qs.items()}
+    """{layer: (q, k, mask)}: the teacher's queries and keys (N, H, T, D) on calibration batches, their sequences
+    stacked (GLUE's sentences padded to the longest); mask (N, T): True at real tokens."""
+    recs, out = [_teacher_qkv(model, b, layers, rt.device) for b in batches], {}
+    T = max(r[l][0].shape[2] for r in recs for l in layers)
+    grow = lambda x, d: torch.cat([x, x.new_zeros(*x.shape[:d], T - x.shape[d], *x.shape[d + 1:])], d)  # noqa: E731
+    for l in layers:
+        q, k = (torch.cat([grow(r[l][i].float(), 2) for r in recs]) for i in (0, 1))
+        masks = [torch.ones(r[l][0].shape[0], r[l][0].shape[2], dtype=torch.bool, device=q.device) if r[l][3] is None
+                 else r[l][3].bool() for r in recs]
+        out[l] = (q, k, torch.cat([grow(m, 1) for m in masks]))
+    return out
 
 def swap(model, cfg, layers, qk):
     """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k)."""
     spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
-        pooled = {l: tuple(x.transpose(0, 1).flatten(1, 2)[:, :4096].cpu() for x in qk[l]) for l in layers}
+        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :4096].cpu() for x in qk[l][:2])
+                  for l in layers}   # (H, N, D): the real tokens
         clip = unit * model.config.head_dim if cfg.dof_clip else None
         dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda, cfg.dof_samples, clip,
                                                      unit, cfg.seed)

@@ -561,6 +561,32 @@ def test_window_mix_calibration_sets_teacher_window_mass():
         A.Attention('hedgehog:window=6:combine=sum', D, H)
 
 
+def test_window_mix_calibration_counts_sinks_and_padding():
+    """Issue 27: the softmax part holds the sink tokens too, so s is the teacher's mass on window and sinks (rows that
+    see a key of neither); with a key padding mask (GLUE's sentences) each sentence is calibrated on its own real
+    tokens, T x T at a time, never one N x N matrix of every sentence joined."""
+    q, k, _ = qkv(T=30, scale=2.0)
+    core = A.Attention('hedgehog:window=6:sinks=3:combine=mix', D, H)
+    core.calibrate(q, k)
+    W = A.softmax_weights(q, k)
+    i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
+    mass = (W * ((((i - j < 6) | (j < 3)) & (i >= j)))).sum(-1)[..., 9:].mean(dim=(0, 2))  # rows 9..: see key 3
+    assert torch.allclose(core.factor(), mass, atol=1e-5)
+    lengths = [30, 17, 22]  # three sentences, padded to 30, bidirectional
+    mask = torch.arange(30)[None, :] < torch.tensor(lengths)[:, None]
+    qp, kp = qkv(T=30, scale=2.0, seed=1)[:2]
+    qp, kp = qp[:1].repeat(3, 1, 1, 1), kp[:1].repeat(3, 1, 1, 1)
+    bi = A.Attention('hedgehog:window=4:combine=mix', D, H, causal=False)
+    bi.calibrate(qp, kp, mask)
+    total, rows = 0, 0
+    for n in lengths:   # each sentence alone, unpadded
+        w = A.softmax_weights(qp[:1, :, :n], kp[:1, :, :n], causal=False)[0]
+        a, b = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        see = (~((a - b).abs() < 4)).any(-1)
+        total, rows = total + (w * ((a - b).abs() < 4)).sum(-1)[:, see].double().sum(-1), rows + int(see.sum())
+    assert torch.allclose(bi.factor().double(), total / rows, atol=1e-5)
+
+
 def test_features_shift_is_exact():
     """phi(x) = phi' exp(c) for every query and key; for the exp maps c is its largest log-feature, so every feature
     is <= 1 and the largest is 1 (any scale of q and k); forward() keeps one key shift per sequence, the largest."""
@@ -710,6 +736,10 @@ def test_attn_spec_fields_aliases_and_defaults():
     ('hedgehog:window=-1', ">= 0"),
     ('hedgehog:window', "expected name:key=value"),
     ('hedgehog:f=8:feature_dim=8', "distinct keys"),
+    ('hedgehog:window=4.5', "window=4.5 is not int"),   # issue 27: it failed later, inside F.pad
+    ('softmax:window=w', "window='w' is not int"),
+    ('hedgehog:feature_dim=4.5', "feature_dim=4.5 is not int"),
+    ('hedgehog:softmax_dim=1', "softmax_dim=1 is not bool"),
 ])
 def test_attn_spec_errors(text, msg):
     with pytest.raises(ValueError, match=msg) as e:

@@ -243,13 +243,29 @@ def test_dof_selection_in_the_pipeline(ckpts, text_file, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_glue_classifier_conversion(ckpts, tmp_path):
+def _glue_files(folder):
     rng = random.Random(0)
     good = ['the cat sat on the mat', 'a dog ran home', 'the sun is big', 'we like red houses']
     bad = ['cat the mat on sat', 'ran dog home a', 'big is sun the', 'houses red like we']
     for split, n in (('train', 60), ('dev', 16)):
         rows = [f'{rng.choice(good)}\t1' if i % 2 else f'{rng.choice(bad)}\t0' for i in range(n)]
-        (tmp_path / f'{split}.tsv').write_text('\n'.join(rows) + '\n')
+        (folder / f'{split}.tsv').write_text('\n'.join(rows) + '\n')
+
+
+def test_glue_calibration_is_per_sentence(ckpts, tmp_path, monkeypatch):
+    """Issue 27: GLUE calibration joined four batches of sentences into one bidirectional sequence (an N x N matrix,
+    3 GB at 12 heads and 8K tokens); now each sentence is its own sequence, padded to the batch's longest."""
+    _glue_files(tmp_path)
+    shapes, weights = [], A.softmax_weights
+    monkeypatch.setattr(A, 'softmax_weights', lambda q, k, *a, **kw: shapes.append(q.shape) or weights(q, k, *a, **kw))
+    _run(['--init_from', ckpts['bert'], '--data', str(tmp_path), '--task', 'glue', '--attn', 'lln:window=3:combine=mix',
+          '--out_dir', str(tmp_path / 'o'), '--stage1_iters', '0', '--stage2_iters', '0', '--batch_size', '8',
+          '--block_size', '32', '--device', 'cpu'])
+    assert len(shapes) == 4 * 8 * 2 and all(s[0] == 1 and s[2] <= 32 for s in shapes)   # 2 layers, 32 sentences
+
+
+def test_glue_classifier_conversion(ckpts, tmp_path):
+    _glue_files(tmp_path)
     out = tmp_path / 'glue'
     s = _run(['--init_from', ckpts['bert'], '--data', str(tmp_path), '--task', 'glue', '--glue_task', 'cola',
               '--attn', 'hedgehog', '--out_dir', str(out), '--stage1_iters', '2', '--stage2_iters', '8',
