@@ -292,9 +292,10 @@ metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}
 
 def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
     """Passkey retrieval (Mohtashami & Jaggi 2023) as a local lm-eval task in `folder`: as their prompt, lines of the
-    task, the filler before, the key sentence, the filler after (each filler line left out when empty) and the
-    question; about `length` tokens of `tok`, the key at `depth` % of the filler. Scored: the first number of the
-    greedy answer equals the key (exact match)."""
+    task, the filler before (none at depth 0), the key sentence, the filler after and the question; about `length`
+    tokens of `tok`, the key at `depth` % of the filler. Ours: at depth 100 % one filler sentence (about 25 tokens)
+    still separates the key from the question (with none, SmolLM2 answered 'a key that is used to ...' in 5 of 18
+    prompts at 512-2K tokens). Scored: the first number of the greedy answer equals the key (exact match)."""
     rng, rows = random.Random(seed), []
     intro = 'There is important info hidden inside a lot of irrelevant text. Find it and memorize it.'
     question = 'What is the pass key? The pass key is'
@@ -303,9 +304,9 @@ def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, s
         key = rng.randint(10000, 99999)
         needle = f'The pass key is {key}. Remember it. {key} is the pass key.'
         n = max((length - len(tok.encode('\n'.join([intro, '', needle, '', question])))) // per_filler, 0)
-        before = round(n * depth / 100)
+        before = round(max(n - 1, 0) * depth / 100)   # depth 100 %: one filler sentence still follows the key
         parts = [intro, (PASSKEY_FILLER * before).strip(), needle, (PASSKEY_FILLER * (n - before)).strip(), question]
-        text = '\n'.join(p for p in parts if p)   # no empty line (SmolLM2 then misses a key just before the question)
+        text = '\n'.join(p for p in parts if p)
         rows.append(dict(input=text, target=str(key), length=length, depth=depth, tokens=len(tok.encode(text))))
     os.makedirs(folder, exist_ok=True)
     path = os.path.abspath(os.path.join(folder, 'passkey.jsonl'))
