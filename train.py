@@ -369,6 +369,8 @@ class Classifier(nn.Module):
         if self.head is not None:
             nn.init.normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
+            if not model.config.tie_embeddings:   # unused here: frozen (DDP wants a gradient for each trainable one)
+                model.lm_head.requires_grad_(False)
 
     def forward(self, idx, attention_mask, token_type_ids, labels=None):
         if self.head is None:
