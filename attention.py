@@ -29,12 +29,17 @@ import kernels
 
 NO_KEY = -1e30  # the key shift of a key that is not there (padding, sinks), and the running max of a row seeing none
 
+class UsageError(ValueError):
+    """What the user asked for cannot be done (a flag, a spec, a path, a file's contents): the scripts' main() print it
+    in one line and exit with status 2; any other exception is a bug and keeps its traceback. (Here, at the bottom
+    of the imports, so that every module can raise it.)"""
+
 def _acc(x):  # the accumulation dtype: float32, or float64 when given float64 (the float64 reference checks)
     return x.double() if x.dtype == torch.float64 else x.float()
 
 def _choose(what, value, choices):
     if value not in choices:
-        raise ValueError(f"unknown {what} {value!r}; choose one of: {', '.join(map(str, choices))}")
+        raise UsageError(f"unknown {what} {value!r}; choose one of: {', '.join(map(str, choices))}")
 
 def _check_qk(q, k, head_dim, n_heads):
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
@@ -175,7 +180,7 @@ class CosformerFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         T = x.shape[-2]
         if offset + T > self.max_len:
-            raise ValueError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} (set it larger)")
+            raise UsageError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} (set it larger)")
         angle = math.pi / (2 * self.max_len) * torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
         return torch.cat([F.relu(x) * angle.cos()[:, None], F.relu(x) * angle.sin()[:, None]], dim=-1)
 
@@ -219,7 +224,7 @@ class HedgehogFeatureMap(FeatureMap):
         self.activation, self.log_domain = activation, activation == 'exp'
         self.feature_dim = feature_dim or (2 if pm else 1) * self.head_dim
         if pm and self.feature_dim % 2:
-            raise ValueError(f"{activation} features [f(u), f(-u)] need an even feature_dim, got {self.feature_dim}")
+            raise UsageError(f"{activation} features [f(u), f(-u)] need an even feature_dim, got {self.feature_dim}")
         width = self.feature_dim // 2 if pm else self.feature_dim
         self.weight = nn.Parameter(init(width, self.head_dim).repeat(self.n_heads, 1, 1))  # (H, width, D)
         self.bias = nn.Parameter(torch.zeros(self.n_heads, width))
@@ -411,7 +416,7 @@ class AttnSpec:
                  [(f.name, getattr(self, f.name)) for f in fields(self)[1:-1]] + list(self.options)
                  if key in types and not ok(value, types[key])]
         if wrong:
-            raise ValueError(f"attention spec '{self}': {', '.join(wrong)}")
+            raise UsageError(f"attention spec '{self}': {', '.join(wrong)}")
         for bad, why in ((self.window < 0 or self.diag_block < 0, "window and diag_block must be >= 0"),
                          (self.window and self.diag_block, "choose one hybrid, window or diag_block, not both"),
                          (self.combine != 'joint' and not self.window, "combine is the window's form: set window"),
@@ -422,7 +427,7 @@ class AttnSpec:
                          (unknown, f"unknown option(s) {', '.join(unknown)}; {self.name}'s options: "
                                    f"{', '.join(known) or 'none'}")):
             if bad:
-                raise ValueError(f"attention spec '{self}': {why}")
+                raise UsageError(f"attention spec '{self}': {why}")
 
     @classmethod
     def parse(cls, s):
@@ -434,7 +439,7 @@ class AttnSpec:
             key, eq, value = item.partition('=')
             key = OPTION_ALIASES.get(key, key)
             if not eq or key in fields_ or key in options:
-                raise ValueError(f"attention spec {s!r}: expected name:key=value:.. with distinct keys, got {item!r}")
+                raise UsageError(f"attention spec {s!r}: expected name:key=value:.. with distinct keys, got {item!r}")
             with contextlib.suppress(ValueError):
                 value = json.loads(value)
             (fields_ if key in {f.name for f in fields(cls)[1:-1]} else options)[key] = value   # window, sinks, ..
@@ -507,7 +512,7 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     Fd, D = phi_q.shape[-1], v.shape[-1]
     if impl == 'triton' or (impl == 'chunked' and causal and v.is_cuda and kernels.supports(Fd, D)):
         if not (causal and kernels.triton_available(v) and kernels.supports(Fd, D)):
-            raise ValueError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
+            raise UsageError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
                              f"F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
                              f"{v.device.type}, F={Fd}, D={D}: use impl='chunked'")
         return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state, c_k=c_k)

@@ -42,9 +42,6 @@ SAMSUM_PROMPT = "Summarize this dialog:\n{dialogue}\n---\nSummary:\n"
 DEFAULT_PROMPTS = ('The capital of France is Paris. The capital of Germany is', 'Water boils at a temperature of',
                    'Once upon a time, in a small village,')
 
-class EvalError(ValueError):
-    """Bad input: reported as one line and a non-zero exit."""
-
 def log(*a):
     print(*a, flush=True)
 
@@ -54,19 +51,19 @@ def load_model(ckpt, device='cpu'):
     """(model, extra) by model.load, its error in one line."""
     try:
         m, extra = M.load(ckpt)
-    except Exception as e:  # noqa: BLE001 - one line for the user, whatever the loader raised
-        raise EvalError(f'cannot load --ckpt {ckpt!r}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}')
+    except (attention.UsageError, tokenizer.TokenizerError, OSError) as e:
+        raise attention.UsageError(f'cannot load --ckpt {ckpt!r}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}')
     return m.to(device).eval(), extra
 
 def load(args, causal_for=None, with_tokenizer=True):
     """(model, extra, tokenizer) of --ckpt: the model's own tokenizer or --tokenizer's (tokenizer.resolve)."""
     if not args.ckpt:
-        raise EvalError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
+        raise attention.UsageError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
     model, extra = load_model(args.ckpt, args.device)
     if causal_for and model.config.family == 'bert':
-        raise EvalError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
+        raise attention.UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
     if args.context > model.config.block_size:
-        raise EvalError(f'--context {args.context} > model block_size {model.config.block_size}')
+        raise attention.UsageError(f'--context {args.context} > model block_size {model.config.block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 def load_text(data):
@@ -105,17 +102,17 @@ def report_glue(args):
     task, tc, bert = args.glue, extra.get('train_config') or {}, model.config.family == 'bert'
     num_labels = train.glue_num_labels(task)
     if tc.get('task') == 'glue' and tc.get('glue_task', task) != task:
-        raise EvalError(f'--ckpt was finetuned on {tc["glue_task"]}, not {task}')
+        raise attention.UsageError(f'--ckpt was finetuned on {tc["glue_task"]}, not {task}')
     if bert and model.config.num_labels != num_labels:
-        raise EvalError(f'{task} has {num_labels} label(s), the checkpoint classifier {model.config.num_labels}')
+        raise attention.UsageError(f'{task} has {num_labels} label(s), the checkpoint classifier {model.config.num_labels}')
     if not bert and not extra.get('cls_head'):
-        raise EvalError('--ckpt has no classifier: want a bert with num_labels > 0 or a train.py --task glue one')
+        raise attention.UsageError('--ckpt has no classifier: want a bert with num_labels > 0 or a train.py --task glue one')
     module = train.Classifier(model, num_labels)
     if not bert:
         module.head.load_state_dict(extra['cls_head'])
     dev = train.load_glue(task, args.data, 'validation')[:args.limit or None]
     if not dev:
-        raise EvalError(f'no labelled validation examples for {task} in {args.data}')
+        raise attention.UsageError(f'no labelled validation examples for {task} in {args.data}')
     enc = train.GlueEncoder(tok, tc.get('seq_len') or model.config.block_size, verbose=False)
     log(f'tokenizer: {enc.name}; GLUE {task} validation: {len(dev)} examples from {args.data or "datasets"}')
     preds, labels = predict_glue(module.to(args.device).eval(), enc, dev, num_labels, args.device, args.batch_size)
@@ -145,14 +142,14 @@ def load_summaries(data, limit=0):
             rows = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
         bad = [n for n, r in rows if 'dialogue' not in r or 'summary' not in r]
         if bad:
-            raise EvalError(f'{data}:{bad[0]}: each line needs "dialogue" and "summary" keys')
+            raise attention.UsageError(f'{data}:{bad[0]}: each line needs "dialogue" and "summary" keys')
         return [(r['dialogue'], r['summary']) for _, r in rows][:limit or None], data
     try:
         import datasets
         ds = datasets.load_dataset(data or 'samsum', split='test')
     except Exception as e:  # noqa: BLE001
-        raise EvalError(f'--data {data or "samsum"}: not a file, and datasets cannot load it ({type(e).__name__}); '
-                        'pass a JSONL of {"dialogue", "summary"}')
+        raise attention.UsageError(f'--data {data or "samsum"}: not a file, and datasets cannot load it ({type(e).__name__}); '
+                           'pass a JSONL of {"dialogue", "summary"}')
     return list(zip(ds['dialogue'], ds['summary']))[:limit or None], f'{data or "samsum"} (test)'
 
 @torch.no_grad()
@@ -160,7 +157,7 @@ def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     """Greedy summary of a dialogue in the SAMSum prompt, up to EOS (the prompt keeps its end if too long)."""
     room = model.config.block_size - max_new_tokens
     if room < 1:
-        raise EvalError(f'--max_new_tokens {max_new_tokens} leaves no room in block_size {model.config.block_size}')
+        raise attention.UsageError(f'--max_new_tokens {max_new_tokens} leaves no room in block_size {model.config.block_size}')
     ids = tok.encode(SAMSUM_PROMPT.format(dialogue=dialogue.strip('\n')))[-room:]
     new = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.0,
                          eos_token_id=tok.eos_id)[0, len(ids):].tolist()
@@ -171,9 +168,9 @@ def rouge(references, predictions):
     try:
         from rouge_score import rouge_scorer
     except ImportError:
-        raise EvalError('ROUGE needs the rouge-score package: pip install rouge-score')
+        raise attention.UsageError('ROUGE needs the rouge-score package: pip install rouge-score')
     if not references or len(references) != len(predictions):
-        raise EvalError(f'need as many predictions as references (got {len(predictions)} and {len(references)})')
+        raise attention.UsageError(f'need as many predictions as references (got {len(predictions)} and {len(references)})')
     scorer = rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL'])
     scores = [scorer.score(r, p) for r, p in zip(references, predictions)]
     return {k: 100.0 * sum(s[k].fmeasure for s in scores) / len(scores) for k in ('rouge1', 'rouge2', 'rougeL')}
@@ -182,11 +179,13 @@ def report_rouge(args):
     model, _, tok = load(args, 'rouge')
     rows, source = load_summaries(args.data, args.limit)
     if not rows:
-        raise EvalError(f'no examples in {source}')
+        raise attention.UsageError(f'no examples in {source}')
     log(f'tokenizer: {tok.name}; data: {source} ({len(rows)} dialogues); greedy, up to {args.max_new_tokens} '
         f'new tokens, stop at EOS ({tok.eos_id})')
-    t0, refs = time.time(), [s for _, s in rows]
-    preds = [summarize(model, tok, d, args.max_new_tokens, args.device) for d, _ in rows]
+    t0, refs, preds = time.time(), [s for _, s in rows], []
+    for i, (d, _) in enumerate(rows):
+        preds.append(summarize(model, tok, d, args.max_new_tokens, args.device))
+        train.progress('rouge', i + 1, i, len(rows), t0, 'dialogues')
     scores = rouge(refs, preds)
     log('ROUGE F-measure (x100): ' + ', '.join(f'{k} {v:.2f}' for k, v in scores.items()))
     log(f'example: reference {refs[0]!r}\n         generated {preds[0]!r}')
@@ -204,7 +203,7 @@ def generate_prompts(args, tok):
         return [p for p in text.splitlines() if p.strip()][:args.limit or None]
     ids, n, L = tok.encode(text), args.limit or 3, args.context
     if len(ids) < L:
-        raise EvalError(f'--data has {len(ids)} tokens, fewer than --context {L}')
+        raise attention.UsageError(f'--data has {len(ids)} tokens, fewer than --context {L}')
     return [tok.decode(ids[o:o + L]) for o in range(0, len(ids) - L + 1, max((len(ids) - L) // n, 1))][:n]
 
 @torch.no_grad()
@@ -368,9 +367,9 @@ def parse_list(s, what, kind=int):
     try:
         vals = [kind(x) for x in s.split(',') if x.strip()]
     except ValueError:
-        raise EvalError(f'--{what} wants comma-separated {"integers" if kind is int else "numbers"}, got {s!r}')
+        raise attention.UsageError(f'--{what} wants comma-separated {"integers" if kind is int else "numbers"}, got {s!r}')
     if not vals or any(not v > 0 for v in vals):
-        raise EvalError(f'--{what} wants positive numbers, got {s!r}')
+        raise attention.UsageError(f'--{what} wants positive numbers, got {s!r}')
     return vals
 
 def parse_maps(s):
@@ -378,7 +377,7 @@ def parse_maps(s):
     specs = [m for m in map(str.strip, s.split(',')) if m]
     bad = [m for m in specs if m.partition(':')[0] not in attention.FEATURE_MAPS]
     if bad:
-        raise EvalError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
+        raise attention.UsageError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
     return [(m, attention.AttnSpec.parse(m)) for m in specs]
 
 def parse_heads(s, n_layer, n_head):
@@ -388,7 +387,7 @@ def parse_heads(s, n_layer, n_head):
     pairs = [p.split(':') for p in s.split(',')]
     if not all(len(p) == 2 and p[0].isdigit() and p[1].isdigit() and int(p[0]) < n_layer and int(p[1]) < n_head
                for p in pairs):
-        raise EvalError(f'--heads wants layer:head pairs, layers 0..{n_layer - 1}, heads 0..{n_head - 1}; got {s!r}')
+        raise attention.UsageError(f'--heads wants layer:head pairs, layers 0..{n_layer - 1}, heads 0..{n_head - 1}; got {s!r}')
     return [(int(li), int(h)) for li, h in pairs][:6]
 
 def fidelity_windows(tok, ids, context, n_samples, bert=False):
@@ -397,8 +396,8 @@ def fidelity_windows(tok, ids, context, n_samples, bert=False):
     body = context - len(frame)
     n = min(len(ids) // body, n_samples)
     if n < 1:
-        raise EvalError(f'need at least --context={context} tokens of text' + (' (with [CLS] and [SEP])' if bert
-                        else '') + f', got {len(ids)}')
+        raise attention.UsageError(f'need at least --context={context} tokens of text' + (' (with [CLS] and [SEP])' if bert
+                           else '') + f', got {len(ids)}')
     return torch.tensor([frame[:1] + ids[i * body:(i + 1) * body] + frame[1:] for i in range(n)], dtype=torch.long)
 
 @torch.no_grad()
@@ -584,7 +583,7 @@ def report_lln(args):
     (default 256), --batch_size sequences, --sweep temperatures sigma^2."""
     grid, D, T, n = parse_list(args.sweep or LLN_GRID, 'sweep', float), 64, args.context or 256, args.batch_size
     if T < 2:
-        raise EvalError(f'--lln wants --context >= 2 tokens, got {T}')
+        raise attention.UsageError(f'--lln wants --context >= 2 tokens, got {T}')
     (a, b), curves = attention.lln_fit(D), lln_fig2(D, T, grid, n)
     ref, near = curves['softmax']['entropy_bits'], [i for i, s2 in enumerate(grid) if 1 <= s2 <= 4]
     err = {lab: max((abs(d['entropy_bits'][i] - ref[i]) for i in near), default=None)
@@ -729,7 +728,7 @@ def report_bench(args):
     """--bench attention,prefill,decode (or all) of --maps (default elu) against softmax at the --sweep lengths."""
     parts = [w.strip() for w in args.bench.split(',') if w.strip()]
     if not parts or not set(parts) <= set(BENCH_SWEEPS) | {'all'}:
-        raise EvalError(f'--bench {args.bench!r}: choose from {", ".join([*BENCH_SWEEPS, "all"])}, comma-separated')
+        raise attention.UsageError(f'--bench {args.bench!r}: choose from {", ".join([*BENCH_SWEEPS, "all"])}, comma-separated')
     specs, cuda, n = parse_maps(args.maps or 'elu'), torch.device(args.device).type == 'cuda', torch.get_num_threads()
     cfg = {'threads': n, 'maps': [s[0] for s in specs],
            'device_name': torch.cuda.get_device_name() if cuda else f'{os.cpu_count()}-core CPU ({n} torch threads)',
@@ -808,6 +807,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
         self.report = chosen[0]
         if min(self.batch_size - 1, self.context, self.stride, self.limit, self.max_new_tokens) < 0:
             raise ValueError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
+        parse_maps(self.maps)   # their specs, checked here
 
 def main(argv=None):
     """Runs one report: 0, or 2 and one line `eval.py: error: ...` on bad input."""
@@ -817,7 +817,7 @@ def main(argv=None):
         res = {'report': args.report, **globals()['report_' + args.report](args)}
     except SystemExit as e:   # parse_config printed its one line
         return e.code
-    except (ValueError, OSError) as e:   # bad options, paths, models, tokenizers: one clear line
+    except (attention.UsageError, tokenizer.TokenizerError, OSError) as e:   # one line; bugs keep their traceback
         print(f"eval.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         return 2
     os.makedirs(args.out_dir, exist_ok=True)

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import tokenizer as tokenizer_lib
-from attention import Attention, AttnSpec, state_nbytes
+from attention import Attention, AttnSpec, UsageError, state_nbytes
 
 FAMILIES = ('gpt2', 'llama', 'bert')
 
@@ -53,24 +53,24 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"unknown family {self.family!r}; choose one of {list(FAMILIES)}")
+            raise UsageError(f"unknown family {self.family!r}; choose one of {list(FAMILIES)}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+            raise UsageError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         self.n_kv_head = self.n_kv_head or self.n_head
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+            raise UsageError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         if self.family != 'llama' and self.n_kv_head != self.n_head:
-            raise ValueError("grouped-query attention (n_kv_head != n_head) is only for family='llama'")
+            raise UsageError("grouped-query attention (n_kv_head != n_head) is only for family='llama'")
         if self.family == 'llama' and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+            raise UsageError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.short_conv < 0 or (self.short_conv and self.family == 'bert'):
-            raise ValueError(f"short_conv must be >= 0 and is causal (not for 'bert'), got {self.short_conv}")
+            raise UsageError(f"short_conv must be >= 0 and is causal (not for 'bert'), got {self.short_conv}")
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.attn = str(AttnSpec.parse(self.attn))                      # validates; one spelling
         self.layer_attn = {int(i): str(AttnSpec.parse(s)) for i, s in self.layer_attn.items()}
         bad = [i for i in self.layer_attn if not 0 <= i < self.n_layer]
         if bad:
-            raise ValueError(f"layer indices {bad} out of range: the model has {self.n_layer} layers")
+            raise UsageError(f"layer indices {bad} out of range: the model has {self.n_layer} layers")
 
     @property
     def head_dim(self):
@@ -99,7 +99,7 @@ def rope_inv_freq(head_dim, theta, scaling=None):
     if rope_type in ('default', 'linear'):   # linear: every frequency divided by the factor
         return inv_freq / (scaling['factor'] if rope_type == 'linear' else 1)
     if rope_type != 'llama3':
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'linear', 'llama3'")
+        raise UsageError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'linear', 'llama3'")
     factor, low, high = scaling['factor'], scaling['low_freq_factor'], scaling['high_freq_factor']
     old_len = scaling['original_max_position_embeddings']
     wavelen = 2 * math.pi / inv_freq
@@ -334,7 +334,7 @@ class GPT(nn.Module):
         x = tr.wte(idx)                                             # (B, T, C)
         if 'wpe' in tr:
             if offset + T > cfg.block_size:
-                raise ValueError(f"{offset + T} positions exceed block_size={cfg.block_size} (learned positions)")
+                raise UsageError(f"{offset + T} positions exceed block_size={cfg.block_size} (learned positions)")
             x = x + tr.wpe(torch.arange(offset, offset + T, device=idx.device))
         if cfg.family == 'bert':
             x = tr.ln_e(x + tr.wtt(torch.zeros_like(idx) if token_type_ids is None else token_type_ids))
@@ -415,7 +415,7 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         learned_pos = 'wpe' in self.transformer
         if use_cache and learned_pos and T0 + max_new_tokens - 1 > cfg.block_size:
-            raise ValueError(f"cached generation needs {T0 + max_new_tokens - 1} positions, more than block_size="
+            raise UsageError(f"cached generation needs {T0 + max_new_tokens - 1} positions, more than block_size="
                              f"{cfg.block_size} (learned positions); generate fewer or use use_cache=False (crops)")
         eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=idx.device).view(-1)
         finished, states = torch.zeros(B, dtype=torch.bool, device=idx.device), None
@@ -459,7 +459,7 @@ def load(path, **overrides):
     names = [f.name for f in fields(GPTConfig)]
     bad = sorted(set(overrides) - set(names))
     if bad:
-        raise ValueError(f"unknown override(s) {bad}; GPTConfig fields are {names}")
+        raise UsageError(f"unknown override(s) {bad}; GPTConfig fields are {names}")
     return _load(str(path), overrides)
 
 def _load(path, overrides, as_base=False):
@@ -487,7 +487,7 @@ def _load(path, overrides, as_base=False):
 
 def _new_model(kwargs, overrides, source):
     if overrides.get('family', kwargs['family']) != kwargs['family']:
-        raise ValueError(f"family={overrides['family']!r} does not match {source} ({kwargs['family']!r})")
+        raise UsageError(f"family={overrides['family']!r} does not match {source} ({kwargs['family']!r})")
     return GPT(GPTConfig(**{**kwargs, **overrides}))
 
 def _is_new(name):
@@ -519,7 +519,7 @@ def save(path, model, base=None, keep=(), **extra):
 def _load_ours(path, overrides, as_base):
     obj = torch.load(path, map_location='cpu', weights_only=True)
     if not isinstance(obj, dict) or not {'config', 'model'} <= set(obj):
-        raise ValueError(f"{path} is not a checkpoint written by model.save")
+        raise UsageError(f"{path} is not a checkpoint written by model.save")
     saved, base = GPTConfig(**obj['config']), obj.get('base')
     want = {**obj['config'], **overrides}
     if 'attn' in overrides and 'layer_attn' not in overrides:
@@ -555,7 +555,7 @@ def _copy_checked(header, own, tensors, kmap, need, skip=(), where=''):
     msg = [f"{what} keys{where}: {_fmt(names)}" for what, names in bad if names]
     msg += ["shape mismatches: " + '; '.join(problems[:20])] if problems else []
     if msg:
-        raise ValueError('\n  '.join([header + ':'] + msg))
+        raise UsageError('\n  '.join([header + ':'] + msg))
     with torch.no_grad():
         for k, t in mapped.items():
             own[k].copy_(t)
@@ -567,7 +567,7 @@ def hf_config_to_kwargs(hf):
     if mt == 'gpt2':
         if get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh') or \
                 get('scale_attn_by_inverse_layer_idx') or not get('scale_attn_weights', True):
-            raise ValueError("GPT-2 variants other than gelu_new with scale_attn_weights are not supported")
+            raise UsageError("GPT-2 variants other than gelu_new with scale_attn_weights are not supported")
         return dict(family='gpt2', vocab_size=hf['vocab_size'], block_size=hf['n_positions'], n_layer=hf['n_layer'],
                     n_head=hf['n_head'], n_embd=hf['n_embd'], intermediate_size=get('n_inner') or 4 * hf['n_embd'],
                     norm_eps=get('layer_norm_epsilon', 1e-5), tie_embeddings=get('tie_word_embeddings', True))
@@ -575,7 +575,7 @@ def hf_config_to_kwargs(hf):
         bias = get('attention_bias', False)
         if get('hidden_act', 'silu') != 'silu' or bias != get('mlp_bias', False) or \
                 get('head_dim') not in (None, hf['hidden_size'] // hf['num_attention_heads']):
-            raise ValueError("Llama variants other than silu, one bias flag, head_dim = hidden/heads are unsupported")
+            raise UsageError("Llama variants other than silu, one bias flag, head_dim = hidden/heads are unsupported")
         rope = get('rope_parameters') or {}   # transformers >= 5
         theta = rope.get('rope_theta', get('rope_theta', 10000.0))
         scaling = {k: v for k, v in (get('rope_scaling') or rope).items() if k != 'rope_theta'}
@@ -588,14 +588,14 @@ def hf_config_to_kwargs(hf):
                     rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=get('tie_word_embeddings', False))
     if mt == 'bert':
         if get('hidden_act', 'gelu') != 'gelu' or get('position_embedding_type', 'absolute') != 'absolute':
-            raise ValueError("BERT variants other than exact gelu with absolute positions are not supported")
+            raise UsageError("BERT variants other than exact gelu with absolute positions are not supported")
         clf = any(a.endswith('ForSequenceClassification') for a in get('architectures') or [])
         num_labels = (len(hf['id2label']) if get('id2label') else get('num_labels', 2)) if clf else 0
         return dict(family='bert', vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
                     n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'], n_embd=hf['hidden_size'],
                     intermediate_size=hf['intermediate_size'], norm_eps=get('layer_norm_eps', 1e-12),
                     type_vocab_size=get('type_vocab_size', 2), num_labels=num_labels, tie_embeddings=False)
-    raise ValueError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
+    raise UsageError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
 
 def _hf_folder(name_or_dir):
     """A local HF folder, or the hub snapshot of a name (config, tokenizer files and weights)."""
@@ -612,7 +612,7 @@ def _hf_folder(name_or_dir):
         if not any(f.endswith('.safetensors') for f in os.listdir(folder)):
             folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.bin'])
     except Exception as e:  # offline, unknown repo, gated model, ...
-        raise RuntimeError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: {e}); "
+        raise UsageError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: {e}); "
                            "that needs internet access (and a token for gated models); or give a local folder") from e
     return folder
 
@@ -715,24 +715,24 @@ def gguf_config_to_kwargs(reader, path):
     def get(key, default=...):
         f = reader.fields.get(key)
         if f is None and default is ...:
-            raise ValueError(f"{path}: the GGUF metadata has no {key!r}")
+            raise UsageError(f"{path}: the GGUF metadata has no {key!r}")
         return default if f is None else f.contents()
     if get('general.architecture') != 'llama':
-        raise ValueError(f"{path}: GGUF architecture {get('general.architecture')!r} is not supported; "
+        raise UsageError(f"{path}: GGUF architecture {get('general.architecture')!r} is not supported; "
                          "supported: 'llama' (Llama 2/3, TinyLlama, SmolLM2, ...)")
     n_embd, n_head = get('llama.embedding_length'), get('llama.attention.head_count')
     n_kv_head, head_dim = get('llama.attention.head_count_kv', n_head), n_embd // n_head
     if not isinstance(n_kv_head, int):
-        raise ValueError(f"{path}: per-layer head_count_kv {n_kv_head} is not supported (one value for all layers)")
+        raise UsageError(f"{path}: per-layer head_count_kv {n_kv_head} is not supported (one value for all layers)")
     for key in ('rope.dimension_count', 'attention.key_length', 'attention.value_length'):
         if get('llama.' + key, head_dim) != head_dim:
-            raise ValueError(f"{path}: llama.{key} = {get('llama.' + key)} is not head_dim = embedding_length / "
+            raise UsageError(f"{path}: llama.{key} = {get('llama.' + key)} is not head_dim = embedding_length / "
                              f"head_count = {head_dim}; only RoPE on the whole head is supported")
     names = {t.name for t in reader.tensors}
     scaling = get('llama.rope.scaling.type', 'none')
     if 'rope_freqs.weight' in names or scaling not in ('none', 'linear'):
         what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)' if scaling == 'none' else repr(scaling)
-        raise ValueError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")
+        raise UsageError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")
     tokens = reader.fields.get('tokenizer.ggml.tokens')   # the vocabulary size when llama.vocab_size is absent
     vocab = get('llama.vocab_size') if tokens is None else get('llama.vocab_size', len(tokens.data))
     return dict(family='llama', vocab_size=vocab, block_size=get('llama.context_length', 2048),
@@ -758,7 +758,7 @@ def _read_gguf_tensors(reader, path):
     out = {}
     for t in reader.tensors:
         if t.tensor_type.name not in GGUF_TENSOR_TYPES:
-            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported types: "
+            raise UsageError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported types: "
                              f"{', '.join(GGUF_TENSOR_TYPES)}")
         w = np.require(dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
         out[t.name] = torch.from_numpy(w.reshape(tuple(reversed(t.shape.tolist()))))

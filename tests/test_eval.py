@@ -62,7 +62,7 @@ def test_rouge_hand_computed():
     'a b' vs 'c d': 0 for all three. Means x100: 40, 33.33, 40."""
     got = ev.rouge(['the cat sat', 'a b'], ['The cat!', 'c d'])
     assert got == pytest.approx({'rouge1': 40.0, 'rouge2': 100 / 3, 'rougeL': 40.0}, abs=1e-9)
-    with pytest.raises(ev.EvalError, match='as many predictions as references'):
+    with pytest.raises(attention.UsageError, match='as many predictions as references'):
         ev.rouge(['a'], [])
 
 
@@ -86,11 +86,11 @@ def test_summarize_prompt_and_eos(tmp_path):
     cut = new.index(new[3])                                 # pretend the 4th generated token is EOS
     assert ev.summarize(m, _Bytes(new[3]), 'A: hi\nB: hello\n', 8) == bytes(new[:cut]).decode(
         'utf-8', errors='replace').strip()
-    with pytest.raises(ev.EvalError, match='leaves no room'):
+    with pytest.raises(attention.UsageError, match='leaves no room'):
         ev.summarize(m, _Bytes(None), 'x', 256)
 
 
-def test_rouge_report(tmp_path):
+def test_rouge_report(tmp_path, capsys):
     _, ckpt = _tiny_gpt(tmp_path, block_size=256)
     data = tmp_path / 'dialogues.jsonl'
     rows = [{'dialogue': 'Amanda: I baked cookies. Do you want some?\nJerry: Sure!', 'summary':
@@ -102,6 +102,8 @@ def test_rouge_report(tmp_path):
     res = _json(out, 'rouge')
     assert res['examples'] == 2 and set(res['scores']) == {'rouge1', 'rouge2', 'rougeL'}
     assert res['prompt_template'].startswith('Summarize this dialog:')
+    assert [x[:22] for x in capsys.readouterr().out.splitlines() if x.startswith('rouge: ')] == \
+        ['rouge: 1/2 dialogues |', 'rouge: 2/2 dialogues |']   # progress lines
     sc = rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL'])
     for key, val in res['scores'].items():
         want = 100 * sum(sc.score(s['summary'], s['generated'])[key].fmeasure for s in res['samples']) / 2
@@ -140,15 +142,18 @@ def test_ppl_matches_direct_computation(tmp_path):
     assert res2['tokens_scored'] == count and math.isfinite(res2['ppl'])
 
 
-def test_ppl_report(tmp_path):
+def test_ppl_report(tmp_path, capsys):
     _, ckpt = _tiny_gpt(tmp_path)
     out = str(tmp_path / 'out')
     assert _run(['--ckpt', ckpt, '--ppl', '--data', _text_file(tmp_path), '--context', '32', '--stride', '16',
-                 '--out_dir', out]) == 0
+                 '--batch_size', '1', '--out_dir', out]) == 0
     res = _json(out, 'ppl')
     assert res['context'] == 32 and res['stride'] == 16 and res['ppl'] > 1
     ids = tokenizer.load_tokenizer('bytes').encode(TEXT)
     assert res['tokens_scored'] == len(ids) - 1
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith('perplexity: ')]   # progress, as training
+    assert 2 <= len(lines) <= 10 and lines[-1].startswith(f'perplexity: {len(ids) - 1:,}/{len(ids) - 1:,} tokens | ')
+    assert all(' tokens/s | eta ' in x for x in lines)
 
 
 def test_ppl_on_linear_checkpoint_dir(tmp_path):
@@ -431,3 +436,21 @@ def test_cli_exit_status():
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'eval.py'), '--bench', 'nope'], capture_output=True,
                        text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'choose from' in r.stderr
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, capsys, tmp_path):
+    """Issue 27: main() turned every ValueError into one 'error:' line, so a bug (convert.py's l2 loss: 'too many
+    values to unpack') read as bad input and lost its traceback. Now only UsageError (and OSError, TokenizerError)
+    are one line, exit 2; anything else propagates, in eval.py, train.py and convert.py alike."""
+    import convert
+    monkeypatch.chdir(tmp_path)
+    bug = ValueError('too many values to unpack (expected 3)')
+    monkeypatch.setattr(ev, 'lln_fig2', lambda *a, **k: (_ for _ in ()).throw(bug))
+    monkeypatch.setattr(train, 'make_associative_recall', lambda *a, **k: (_ for _ in ()).throw(bug))
+    monkeypatch.setattr(convert, 'run', lambda *a, **k: (_ for _ in ()).throw(bug))
+    for main, argv in ((ev.main, ['--lln']), (train.main, ['--max_iters', '1']), (convert.main, [])):
+        with pytest.raises(ValueError, match='too many values'):
+            main(argv)
+    assert ev.main(['--lln', '--sweep', '1,x']) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["eval.py: error: --sweep wants comma-separated numbers, "
+                                                             "got '1,x'"]

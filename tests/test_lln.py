@@ -2,6 +2,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,13 +39,25 @@ def test_alpha_beta_relationship(match):
         s2_grid, x_grid = A.lln_entropy_fit(D)
         assert torch.allclose(x[2], x_grid[int((s2_grid == 1.5).nonzero())])
         assert torch.allclose(x[0], x[1]) and x[2] > x[0] and (x_grid[1:] > x_grid[:-1]).all()
-    # the map uses its own match
-    fmap = A.make_feature_map('lln', D, 3, match=match)
-    fmap.calibrate(torch.randn(1, 3, 5, D) * s2q.sqrt().float()[None, :, None, None],
-                   torch.randn(1, 3, 5, D) * s2k.sqrt().float()[None, :, None, None])
-    al, be = fmap.alpha_beta()
-    ref = A.lln_alpha_beta(fmap.sigma2_q.double(), fmap.sigma2_k.double(), D, match)
-    assert torch.equal(al, ref[0]) and torch.equal(be, ref[1])
+    # the map, calibrated on data, uses its own match: its temperatures (read off its log-features, alpha q and
+    # beta k) satisfy the same equations for the data's variances, computed here in float64
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 400, D, generator=g, dtype=torch.float64) * s.sqrt()[None, :, None, None]
+            for s in (s2q, s2k))
+    fmap = A.make_feature_map('lln', D, 3, match=match).double()
+    fmap.calibrate(q, k)
+    vq, vk = (x.transpose(0, 1).reshape(3, -1).var(1, unbiased=False) for x in (q, k))
+    al, be = (fmap.log_phi(x, w, 0)[0, :, 0, 0] / x[0, :, 0, 0] for x, w in ((q, 'q'), (k, 'k')))
+    x = al ** 2 * vq + be ** 2 * vk
+    if match == 'none':
+        assert torch.allclose(al, torch.ones(3, dtype=torch.float64)) and torch.allclose(be, al)
+    else:
+        assert torch.allclose(al * vq.sqrt(), be * vk.sqrt())
+    if match == 'paper':
+        assert torch.allclose(a * x + b, vq * vk)
+    elif match == 'entropy':   # numpy's piecewise-linear interpolation of the table
+        want = np.interp((vq * vk).numpy(), s2_grid.numpy(), x_grid.numpy())
+        assert np.allclose(x.numpy(), want)
 
 
 def test_unknown_match_is_one_line_error():

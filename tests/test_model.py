@@ -229,7 +229,7 @@ def test_missing_unexpected_and_shape_errors(tmp_path):
 
 
 def test_hub_name_without_network_gives_clear_error():
-    with pytest.raises(RuntimeError, match='internet'):
+    with pytest.raises(M.UsageError, match='internet'):
         M.GPT.from_pretrained('no-such-org-xyz-12345/no-such-model')
 
 

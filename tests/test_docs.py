@@ -1,0 +1,95 @@
+"""The documents a user copies commands from (README.md, docs/COURSE.md) against today's code: every `python X.py
+...` names a script that runs as a program and flags its parser knows (and --attn values that parse), and every
+Python snippet runs, on tiny local stand-ins for the files it names. docs/RESULTS.md keeps its commands as they were
+run, so it is not checked. Bash expands the commands (variables, loops, command substitution), with `python`,
+`torchrun` and `pip` replaced by functions that only record their arguments."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import convert
+import eval as ev
+import model as M
+import train
+from test_gguf import _model, gguf_tensors, write_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [d for d in ('README.md', os.path.join('docs', 'COURSE.md')) if os.path.exists(os.path.join(ROOT, d))]
+CONFIGS = {'train.py': train.TrainConfig, 'convert.py': convert.ConvertConfig, 'eval.py': ev.EvalConfig}
+STUBS = r'''
+python() { if [ "$1" = -c ]; then echo /stand-in/model.gguf; else printf '%s\x1f' "$@" >> "$REC"; echo >> "$REC"; fi; }
+torchrun() { while [ "${1#--}" != "$1" ]; do shift; done; python "$@"; }
+pip() { :; }
+'''
+
+
+def blocks(text):
+    """(language, code) of every fenced block, and ('inline', span) of every inline `python ...` span."""
+    fenced = re.findall(r'^```(\w*)\n(.*?)^```', text, re.S | re.M)
+    rest = re.sub(r'^```.*?^```', '', text, flags=re.S | re.M)
+    return fenced + [('inline', s) for s in re.findall(r'`((?:[A-Z_]+=\S+ )*(?:python|torchrun) [^`]+)`', rest)]
+
+
+def commands(doc, tmp_path):
+    """The argument lists of every python invocation in the document's shell code, as bash expands them."""
+    rec, out = tmp_path / 'rec', []
+    for lang, code in blocks(open(os.path.join(ROOT, doc), encoding='utf-8').read()):
+        if lang not in ('', 'bash', 'inline'):
+            continue
+        rec.write_text('')
+        r = subprocess.run(['bash', '-c', STUBS + code], cwd=tmp_path, env=dict(os.environ, REC=str(rec)),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (doc, code, r.stderr)
+        out += [line.split('\x1f')[:-1] for line in rec.read_text().splitlines() if line]
+    return out
+
+
+@pytest.mark.parametrize('doc', DOCS)
+def test_commands_name_scripts_and_flags_that_exist(doc, tmp_path):
+    cmds = commands(doc, tmp_path)
+    assert cmds, doc
+    helps = {}
+    for argv in cmds:
+        if argv[:2] == ['-m', 'pytest']:
+            continue
+        script, args = argv[0], argv[1:]
+        assert os.path.isfile(os.path.join(ROOT, script)), (doc, argv)
+        assert "if __name__ == '__main__':" in open(os.path.join(ROOT, script)).read(), (doc, script, 'no program')
+        if script in CONFIGS:   # the scripts' own parser: flags, types, choices, --attn specs
+            try:
+                train.parse_config(CONFIGS[script], args)
+            except SystemExit as e:   # --help exits with 0
+                assert e.code == 0, f'{doc}: python {" ".join(argv)}: the parser rejects it'
+        else:   # others: every flag is in --help
+            if script not in helps:
+                helps[script] = subprocess.run([sys.executable, script, '--help'], cwd=ROOT, capture_output=True,
+                                               text=True, timeout=120).stdout
+            for flag in (a.split('=')[0] for a in args if a.startswith('--')):
+                assert flag in helps[script], (doc, argv, flag)
+
+
+@pytest.fixture
+def stand_ins(tmp_path, monkeypatch):
+    """The files the snippets name, tiny: SmolLM2's GGUF file and a GPT-2 folder (a hub name offline)."""
+    m = _model()
+    write_gguf(tmp_path / 'SmolLM2-135M-Instruct.Q4_1.gguf', m.config, gguf_tensors(m))
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2,
+                                                         n_head=2)).save_pretrained(tmp_path / 'gpt2')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(ROOT)
+
+
+@pytest.mark.parametrize('doc', DOCS)
+def test_python_snippets_run(doc, stand_ins):
+    snippets = [code for lang, code in blocks(open(os.path.join(ROOT, doc), encoding='utf-8').read())
+                if lang == 'python']
+    for code in snippets:
+        exec(compile(code, f'{doc} snippet', 'exec'), {'__name__': 'snippet'})
+    assert doc != 'README.md' or snippets
+    assert M.load('out/ckpt.pt')[0].config.attn == 'elu' if doc == 'README.md' else True
