@@ -67,15 +67,13 @@ def softmax_weights(q, k, causal=True, attn_mask=None):
 class FeatureMap(nn.Module):
     """Base class. q and k come together (LLN treats them differently; cosFormer needs positions: offset = the absolute
     position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or, exp-based
-    (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi). Range (a real LLM's queries and keys
-    are large: attention sinks; Performer's and DoF's exp(-|x|^2 / 2 sqrt D) are tiny at large norms): `features`
-    divides an exp-based phi(x) by exp(c), c its detached largest log-feature, for every query and every key, so every
-    feature is <= 1 and the largest is 1. A query's c_q is a factor of its attention row, gone in the normalisation;
-    the keys' c_k go to linear attention (linear_attention_parts), which weighs key s in row t by exp(c_s - m_t), m_t
-    the largest c_k the row sees: exact, and a row that sees only tiny keys still gets their weighted mean.
-    forward(q, k): phi_q and phi_k with ONE key shift per sequence and head instead (the largest), which cancels in
-    the normalisation: plain features for linear_attention while the keys' scales lie within float32's range
-    (e^+-87). shift=False: no shifts."""
+    (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi). Range (attention sinks make q, k
+    large; Performer's and DoF's exp(-|x|^2 / 2 sqrt D) are tiny at large norms): `features` divides an exp-based
+    phi(x) by exp(c), c its detached largest log-feature, for every query and key: every feature <= 1. A query's c_q
+    cancels in its row; the keys' c_k go to linear attention, which weighs key s in row t by exp(c_s - m_t), m_t the
+    largest c_k the row sees (linear_attention_parts). forward(q, k): phi_q and phi_k with ONE key shift per sequence
+    and head (the largest), cancelling in the normalisation: plain features while the keys' scales lie within
+    float32's range (e^+-87). shift=False: no shifts."""
 
     log_domain = False
 
@@ -396,6 +394,7 @@ class AttnSpec:
     name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
     window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs); softmax: sliding-window softmax alone
     sinks: int = 0            # the first `sinks` tokens stay in the window's softmax part (StreamingLLM's sink tokens)
+    cache: int = 0            # > 0: LoLA's sparse cache of that many pairs in the softmax part too (causal window)
     combine: str = 'joint'    # the window form: joint | mix
     diag_block: int = 0       # > 0: block-diagonal softmax + linear (LLN+Diag)
     impl: str = 'chunked'     # the linear-attention path: quadratic | chunked | recurrent | triton
@@ -421,6 +420,8 @@ class AttnSpec:
                          (self.window and self.diag_block, "choose one hybrid, window or diag_block, not both"),
                          (self.combine != 'joint' and not self.window, "combine is the window's form: set window"),
                          (self.sinks < 0 or (self.sinks and not self.window), "sinks (>= 0) belong to a window"),
+                         (self.cache < 0 or (self.cache and (not self.window or self.name == 'softmax')),
+                          "cache (>= 0) belongs to a window with a linear part (its state scores the pairs)"),
                          (self.impl == 'triton' and self.window, "the window hybrid has no triton path"),
                          (self.name == 'softmax' and (self.diag_block or self.combine != 'joint'),
                           "softmax takes a window and sinks, no diag_block or combine"),
@@ -562,13 +563,13 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
             the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at attention sinks);
       mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
     Masses compare in log space. A row without linear keys is the window part, one without window keys the
-    linear part, 0 with neither. Returns y, float32."""
+    linear part, 0 with neither. Returns y and p, the share of each row's attention on the window part, float32."""
     has_w, has_l = den_w > 0, den_l > 0
     den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
     f = factor.to(den_w.dtype).view(1, -1, *([1] * (den_w.dim() - 2)))  # (1, H, 1..) against (B, H, ..)
     p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log()) if combine == 'joint' else f.expand_as(den_w)
-    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)[..., None]  # the window part's weight
-    return p * num_w / den_w[..., None] + (1 - p) * num_l / den_l[..., None]
+    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)  # the window part's weight
+    return p[..., None] * num_w / den_w[..., None] + (1 - p[..., None]) * num_l / den_l[..., None], p
 
 def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True, key_padding_mask=None,
                             chunk_size=64):
@@ -594,7 +595,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
         num_w, den_w, m = _merge((num_w, den_w, m), _window_softmax(_acc(q), _acc(k[:, :, :N]), _acc(v[:, :, :N]),
                                                                     visible))
     if phi_q is None:  # no linear part: the softmax part alone (a row with no key gives 0)
-        return (num_w / den_w.where(den_w > 0, 1.0)[..., None]).to(v.dtype)
+        return (num_w / den_w.where(den_w > 0, 1.0)[..., None]).to(v.dtype), torch.ones_like(den_w)
     sink = torch.arange(T, device=q.device) < N  # sinks are not in the linear part
     pk, ck = _acc(phi_k) * ~sink[:, None], c_k.masked_fill(sink, NO_KEY)
     shift = lambda x, fill=0.0: torch.cat([x.new_full((*x.shape[:2], w, *x.shape[3:]), fill), x], 2)[:, :, :T]  # noqa
@@ -605,7 +606,25 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
                                       c_k=shift(ck.flip(2), NO_KEY))[:3]
         lin = _merge(lin, [x.flip(2) for x in back])
     num_l, den_l, m_l = lin
-    return combine_window_linear(num_w, den_w, m, num_l, den_l, c_q + m_l, factor, spec.combine).to(v.dtype)
+    y, p = combine_window_linear(num_w, den_w, m, num_l, den_l, c_q + m_l, factor, spec.combine)
+    return y.to(v.dtype), p
+
+def lola_select(S, z, m, k, v, phi_k, c, n_keep, kv_groups):
+    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate pairs k, v (B, H_kv, n, D), with their
+    features phi_k (B, H, n, F) and shifts c (B, H, n), scored by the self-recall error against the state (S, z, m),
+    SRE(k, v) = ||S^T phi(k) / z^T phi(k) - v||^2 (phi(k): the key's features; 0 recalled where z^T phi(k) = 0),
+    per KV head the mean over its query heads. The n_keep worst recalled stay in the cache; the rest are folded into
+    the state. (The paper's SRE; its public code scores differently.) -> (kept: sorted indices (B, H_kv, n_keep),
+    S, z, m)."""
+    rep = lambda x: x.repeat_interleave(kv_groups, 1)  # noqa: E731, GQA: query head h reads kv head h // g
+    num, den = phi_k @ S, (phi_k @ z[..., None])[..., 0]  # (B, H, n, D), (B, H, n)
+    sre = (num / den.where(den > 0, 1.0)[..., None] - rep(v)).square().sum(-1).unflatten(1, (-1, kv_groups)).mean(2)
+    keep = sre.topk(min(n_keep, sre.shape[-1]), -1).indices.sort(-1).values  # (B, H_kv, n_keep)
+    fold = rep(torch.ones_like(sre, dtype=torch.bool).scatter(-1, keep, False))  # (B, H, n)
+    c = c.masked_fill(~fold, NO_KEY)
+    m_new = torch.maximum(m, c.amax(-1))
+    pk, r = _scaled(phi_k * fold[..., None], c, m_new), torch.exp(m - m_new)
+    return keep, S * r[..., None, None] + pk.transpose(-2, -1) @ rep(v), z * r[..., None] + pk.sum(-2), m_new
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al. 2023, Sec. 4.2."""
@@ -632,7 +651,8 @@ class Attention(nn.Module):
     """The attention of one layer, chosen by an AttnSpec (or its string); owns the feature map and the window
     factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v repeated to H heads (the
     maps are per query head); kv_groups = H / H_kv: decode states keep the H_kv key/value heads only. max_len:
-    cosformer's M unless the spec sets it (the model's block_size). teacher = True: exact softmax (conversion).
+    cosformer's M unless the spec sets it (the model's block_size). teacher = True: exact softmax (conversion). share:
+    after a window hybrid's forward, each row's share of attention on the softmax part (B, H, T), detached.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode; a state is updated in place"""
@@ -642,8 +662,10 @@ class Attention(nn.Module):
         self.spec = spec = AttnSpec.parse(spec)
         if kv_groups < 1 or n_heads % kv_groups:
             raise ValueError(f"kv_groups must divide n_heads={n_heads}, got {kv_groups}")
+        if spec.cache and not causal:
+            raise UsageError(f"attention spec '{spec}': the sparse cache follows the tokens (causal models only)")
         self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
-        self.chunk_size, self.teacher = 64, False
+        self.chunk_size, self.teacher, self.share = 64, False, None
         options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
         options.update(spec.options)  # the spec's own max_len wins
         self.fmap = None if spec.name == 'softmax' else FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
@@ -704,12 +726,14 @@ class Attention(nn.Module):
         else:  # the internals in float32 (float64 for float64 inputs) whatever autocast says; y in v's dtype
             with torch.autocast(q.device.type, enabled=False):
                 qa, ka, va = _acc(q), _acc(k), _acc(v)
-                if state is None or self.kind == 'linear':
+                if self.spec.cache or (state is not None and self.kind == 'window'):
+                    y, state = self._window_steps(qa, ka, va, state)
+                elif state is None or self.kind == 'linear':
                     y, state = self._parallel(qa, ka, va, state, key_padding_mask, return_state)
-                else:  # a hybrid continues one token at a time
+                else:  # LLN+Diag continues one token at a time
                     ys = []
                     for t in range(q.shape[-2]):
-                        y, state = self._hybrid_step(qa[:, :, t:t + 1], ka[:, :, t:t + 1], va[:, :, t:t + 1], state)
+                        y, state = self._diag_step(qa[:, :, t:t + 1], ka[:, :, t:t + 1], va[:, :, t:t + 1], state)
                         ys.append(y)
                     y = torch.cat(ys, 2)
             y = y.to(v.dtype)
@@ -739,20 +763,22 @@ class Attention(nn.Module):
             phi_k, c_k = phi_k * key_padding_mask[:, None, :, None], c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         new = {'kind': self.kind, 'offset': offset + T}
         if self.kind == 'window':
-            y = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(), causal,
-                                        key_padding_mask, self.chunk_size)
+            y, p = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(), causal,
+                                           key_padding_mask, self.chunk_size)
+            self.share = p.detach()
             if not (return_state and causal):
                 return y, None
-            cut = max(T - (self.window - 1), 0)  # tokens < cut left the window: the sinks, then (S, z)
-            n = min(self.spec.sinks, cut)
+            n = min(self.spec.sinks, T)  # tokens < n: the sinks; from cut on: in the window; between: in (S, z)
+            cut, e = max(T - (self.window - 1), n), k[:, ::g, :0]
             new.update(k=k[:, ::g, cut:].clone(), v=v[:, ::g, cut:].clone(), sk=k[:, ::g, :n].clone(),
-                       sv=v[:, ::g, :n].clone())
+                       sv=v[:, ::g, :n].clone(), gk=e, gv=e)  # g*: _window_step's cache, empty
             if not lin:
                 return y, new
             m = F.pad(c_k[..., n:cut], (1, 0), value=NO_KEY).amax(-1)  # (B, H), NO_KEY when no token left
             pk = _scaled(phi_k[:, :, n:cut], c_k[..., n:cut], m)
             return y, {**new, 'phi_k': phi_k[:, :, cut:].clone(), 'c': c_k[..., cut:].clone(), 'z': pk.sum(-2),
-                       'S': torch.einsum('bhtf,bhtd->bhfd', pk, v[:, :, n:cut]), 'm': m}
+                       'S': torch.einsum('bhtf,bhtd->bhfd', pk, v[:, :, n:cut]), 'm': m, 'gphi_k': phi_k[:, :, :0],
+                       'gc': c_k[..., :0]}
         init = None if state is None else (state['S'], state['z'], state['m'])
         y, (S, z, m) = linear_attention(phi_q, phi_k, v, causal, self.spec.impl, 0.0, self.chunk_size, init, True, c_k)
         if self.kind == 'diag':
@@ -761,40 +787,64 @@ class Attention(nn.Module):
             new.update(k=k[:, ::g, T // b * b:].clone(), v=v[:, ::g, T // b * b:].clone())  # the partial block
         return y, {**new, 'S': S, 'z': z, 'm': m}
 
-    def _hybrid_step(self, q, k, v, state):
-        """One decode token of a hybrid, from its constant-size state."""
-        g, offset, lin = self.kv_groups, state['offset'], self.fmap is not None
+    def _diag_step(self, q, k, v, state):
+        """One decode token of LLN+Diag: linear attention from (S, z), softmax over its block so far."""
+        g, offset = self.kv_groups, state['offset']
+        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset)
+        kw, vw = torch.cat([state['k'], k[:, ::g]], 2), torch.cat([state['v'], v[:, ::g]], 2)  # (B, H_kv, <=b, D)
+        y, (S, z, m) = linear_attention(phi_q, phi_k, v, True, 'recurrent', 0.0, 1, (state['S'], state['z'],
+                                                                                       state['m']), True, c_k)
+        y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False))
+        keep = kw.shape[2] if (offset + 1) % self.spec.diag_block else 0  # a full block empties the buffer
+        return y, {'kind': 'diag', 'offset': offset + 1, 'S': S, 'z': z, 'm': m, 'k': kw[:, :, :keep],
+                   'v': vw[:, :, :keep]}
+
+    def _window_steps(self, q, k, v, state):
+        """The window hybrid's decoding, and LoLA's sparse cache (spec.cache = N pairs) in prefill and decode alike: the
+        tokens go in segments that end when C pairs have left the window since the last update (the pending block;
+        C = chunk_size with a cache, else 1); then the pending block and the cache compete (lola_select). Query t's
+        softmax part: the sinks, the cache, and the tokens from the pending block's first to t; its linear part: the
+        state (S, z), fixed within a segment. Without a cache a token joins (S, z) as it leaves the window."""
+        (B, H, T, D), g = q.shape, self.kv_groups
+        if state is None:  # the sinks, the cache (g*), the buffer (the pending block, the window): empty
+            F_, e = self.fmap.feature_dim, lambda *shape: q.new_zeros(B, *shape)  # noqa: E731
+            state = {'kind': 'window', 'offset': 0, 'S': e(H, F_, D), 'z': e(H, F_), 'm': q.new_full((B, H), NO_KEY),
+                     **{n: e(H // g, 0, D) for n in ('sk', 'sv', 'gk', 'gv', 'k', 'v')}, 'gphi_k': e(H, 0, F_),
+                     'phi_k': e(H, 0, F_), 'gc': e(H, 0), 'c': e(H, 0)}
+        out, t, C = [], 0, self.chunk_size if self.spec.cache else 1
+        while t < T:
+            p = max(state['offset'] - state['k'].shape[2], self.spec.sinks)  # the buffer's first token
+            n = min(T - t, p + C + self.window - 1 - state['offset'])
+            out.append(self._window_step(q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n], state, C))
+            t, state = t + n, out[-1][2]
+        self.share = torch.cat([o[1] for o in out], 2)
+        return torch.cat([o[0] for o in out], 2), state
+
+    def _window_step(self, q, k, v, state, C):
+        """Tokens q, k, v (B, H, n, D) after the state's, at most up to the next update: (y, share, the new state)."""
+        (B, H, n, D), g, o, lin = q.shape, self.kv_groups, state['offset'], self.fmap is not None
+        s = min(max(self.spec.sinks - o, 0), n)  # the new tokens that are sinks
+        new = {'sk': k[:, ::g, :s], 'sv': v[:, ::g, :s], 'k': k[:, ::g, s:], 'v': v[:, ::g, s:]}
         if lin:
-            (phi_q, phi_k, c_q, c_k), S, z, m = self.fmap.features(q, k, offset), state['S'], state['z'], state['m']
-        kw, vw = torch.cat([state['k'], k[:, ::g]], 2), torch.cat([state['v'], v[:, ::g]], 2)  # (B, H_kv, <=w, D)
-        new = {'kind': self.kind, 'offset': offset + 1}
-        if self.kind == 'diag':  # the token's block: the buffered partial block and itself
-            y, (S, z, m) = linear_attention(phi_q, phi_k, v, True, 'recurrent', 0.0, 1, (S, z, m), True, c_k)
-            y = 0.5 * (y + softmax_attention(q, kw, vw, causal=False))
-            keep = kw.shape[2] if (offset + 1) % self.spec.diag_block else 0  # a full block empties the buffer
-            return y, {**new, 'S': S, 'z': z, 'm': m, 'k': kw[:, :, :keep], 'v': vw[:, :, :keep]}
-        kv = lambda x: x.repeat_interleave(g, 1)  # noqa: E731, GQA: query head h reads kv head h // g
-        sk, sv = state['sk'], state['sv']  # the sink tokens that left the window
-        num_w, den_w, mw = _window_softmax(q, kv(torch.cat([sk, kw], 2)), kv(torch.cat([sv, vw], 2)),
-                                           torch.ones((), dtype=torch.bool, device=q.device))
-        if lin:
-            pkw, ckw = torch.cat([state['phi_k'], phi_k], 2), torch.cat([state['c'], c_k], 2)  # (B, H, <=w, F)
-            y = combine_window_linear(num_w, den_w, mw, phi_q @ S, (phi_q @ z[..., None])[..., 0], c_q + m[..., None],
-                                      self.factor(), self.window_combine)
-        else:  # sliding-window softmax alone (the token itself is always a key: den_w > 0)
-            y = num_w / den_w[..., None]
-        if kw.shape[2] == self.window:  # the oldest token leaves the window: to the sinks, or to the linear state
-            if offset + 1 - self.window < self.spec.sinks:
-                sk, sv = torch.cat([sk, kw[:, :, :1]], 2), torch.cat([sv, vw[:, :, :1]], 2)
-            elif lin:  # (S, z) move to units of exp(-m'), m' = max(m, the token's c)
-                m_new = torch.maximum(m, ckw[..., 0])
-                pk, r = _scaled(pkw[:, :, :1], ckw[..., :1], m_new)[:, :, 0], torch.exp(m - m_new)
-                S = S * r[..., None, None] + torch.einsum('bhf,bhd->bhfd', pk, kv(vw[:, :, :1])[:, :, 0])
-                z, m = z * r[..., None] + pk, m_new
-            kw, vw = kw[:, :, 1:], vw[:, :, 1:]
-            pkw, ckw = (pkw[:, :, 1:], ckw[..., 1:]) if lin else (None, None)
-        new.update(k=kw, v=vw, sk=sk, sv=sv)
-        return y, new if not lin else {**new, 'S': S, 'z': z, 'm': m, 'phi_k': pkw, 'c': ckw}
+            phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, o)
+            new.update(phi_k=phi_k[:, :, s:], c=c_k[..., s:])
+        st = {**state, 'offset': o + n, **{x: torch.cat([state[x], t], 2) for x, t in new.items()}}
+        L, kv = st['k'].shape[2], lambda x: x.repeat_interleave(g, 1)  # noqa: E731
+        pos = torch.cat([torch.arange(st['sk'].shape[2]), torch.full((st['gk'].shape[2],), -1),  # the cache: always
+                         torch.arange(o + n - L, o + n)]).to(q.device)  # the keys' positions: sinks, cache, buffer
+        keys, vals = (kv(torch.cat([st[a], st[b], st[c]], 2)) for a, b, c in (('sk', 'gk', 'k'), ('sv', 'gv', 'v')))
+        num_w, den_w, mw = _window_softmax(q, keys, vals, pos <= torch.arange(o, o + n, device=q.device)[:, None])
+        y, p = (num_w / den_w[..., None], torch.ones_like(den_w)) if not lin else combine_window_linear(
+            num_w, den_w, mw, phi_q @ st['S'], (phi_q @ st['z'][..., None])[..., 0], c_q + st['m'][..., None],
+            self.factor(), self.window_combine)
+        if L == self.window - 1 + C:  # a full pending block: it and the cache compete, the rest joins (S, z)
+            if lin:
+                cand = [torch.cat([st['g' + x], st[x][:, :, :C]], 2) for x in ('k', 'v', 'phi_k', 'c')]
+                keep, st['S'], st['z'], st['m'] = lola_select(st['S'], st['z'], st['m'], *cand, self.spec.cache, g)
+                for x, i, c in zip(('k', 'v', 'phi_k', 'c'), (keep, keep, kv(keep), kv(keep)), cand):
+                    st['g' + x] = c.gather(2, i if c.dim() == 3 else i[..., None].expand(*i.shape, c.shape[-1]))
+            st.update({x: st[x][:, :, C:] for x in ('k', 'v', 'phi_k', 'c') if x in st})
+        return y, p, st
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""

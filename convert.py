@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 
 import attention as A
+from attention import UsageError
 import model as M
 import train
 
@@ -72,14 +73,14 @@ class ConvertConfig:
         self.spec = A.AttnSpec.parse(self.attn)
         for name in ('stage1_iters', 'stage2_iters', 'lora_rank', 'eval_batches', 'dof_budget'):
             if getattr(self, name) < 0:
-                raise A.UsageError(f"--{name} must be >= 0")
+                raise UsageError(f"--{name} must be >= 0")
         if self.batch_size < 1 or self.block_size < 2:
-            raise A.UsageError("--batch_size must be >= 1 and --block_size >= 2")
+            raise UsageError("--batch_size must be >= 1 and --block_size >= 2")
         if self.dof_budget and (self.spec.name not in ('dof', 'hedgehog') or self.dof_lambda <= 0
                                 or self.dof_samples < 2):
-            raise A.UsageError("--dof_budget is for --attn dof or hedgehog, with --dof_lambda > 0, --dof_samples >= 2")
+            raise UsageError("--dof_budget is for --attn dof or hedgehog, with --dof_lambda > 0, --dof_samples >= 2")
         if self.dof_clip and not self.dof_budget:
-            raise A.UsageError("--dof_clip needs --dof_budget")
+            raise UsageError("--dof_clip needs --dof_budget")
         self.weights = loss_weights(self.loss, self.spec)
 
 def loss_weights(spec, attn):
@@ -91,10 +92,10 @@ def loss_weights(spec, attn):
     for part in spec.split('+'):
         m = re.fullmatch(r'\s*(?:([0-9.eE+-]+)\*)?(ce|mse|l2)\s*', part)
         if not m:
-            raise A.UsageError(f"bad --loss part {part!r}: use ce, mse, l2 or a weighted sum such as 'ce+0.1*mse'")
+            raise UsageError(f"bad --loss part {part!r}: use ce, mse, l2 or a weighted sum such as 'ce+0.1*mse'")
         w[m.group(2)] = float(m.group(1) or 1.0)
     if not any(w.values()) or min(w.values()) < 0:
-        raise A.UsageError(f"--loss {spec!r}: the weights must be >= 0 and not all zero")
+        raise UsageError(f"--loss {spec!r}: the weights must be >= 0 and not all zero")
     return w
 
 def parse_layers(spec, n_layer):
@@ -105,11 +106,11 @@ def parse_layers(spec, n_layer):
     for part in spec.split(','):
         m = re.fullmatch(r'\s*(-?\d+)(?:-(\d+))?\s*', part)
         if not m:
-            raise A.UsageError(f"bad --layers entry {part!r}; use e.g. 'all', '0,2,5', '0-3' or '-1'")
+            raise UsageError(f"bad --layers entry {part!r}; use e.g. 'all', '0,2,5', '0-3' or '-1'")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         for i in range(lo, hi + 1):
             if not -n_layer <= i < n_layer:
-                raise A.UsageError(f"unknown layer index {i}: the model has {n_layer} layers (0..{n_layer - 1})")
+                raise UsageError(f"unknown layer index {i}: the model has {n_layer} layers (0..{n_layer - 1})")
             out.add(i % n_layer)
     return sorted(out)
 
@@ -244,7 +245,7 @@ def transfer_loss(core, q, k, v, mask, weights):
         loss = loss + weights['mse'] * _row_mean((core(q, k, v, **kw) - y_t).square().mean(-1), mask)
     if weights.get('l2'):
         if core.fmap is None:
-            raise A.UsageError("the l2 kernel loss needs a feature map")
+            raise UsageError("the l2 kernel loss needs a feature map")
         phi_q, phi_k, c_q, c_k = core.fmap.features(q, k)   # the exact features (shifts undone): the kernel is
         phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]   # unnormalised
         if mask is not None:
@@ -387,16 +388,16 @@ def run(cfg):
     """The whole conversion -> the summary (also out_dir/summary.json)."""
     t_start, rt = time.time(), train.setup(SimpleNamespace(device=cfg.device, dtype='float32', grad_accum=1))
     if rt.ddp and cfg.stage1_iters:
-        raise A.UsageError("stage 1 runs in one process (its loss does not pass through the DDP wrapper): launch it "
-                           "without torchrun, then stage 2 with --init_from out_dir --stage1_iters 0 under torchrun")
+        raise UsageError("stage 1 runs in one process (its loss does not pass through the DDP wrapper): launch it "
+                         "without torchrun, then stage 2 with --init_from out_dir --stage1_iters 0 under torchrun")
     torch.manual_seed(cfg.seed)
     num_labels = train.glue_num_labels(cfg.glue_task) if cfg.task == 'glue' else 0
     model, _ = M.load(cfg.init_from, **({'num_labels': num_labels} if num_labels else {}))
     c = model.config
     if cfg.task == 'glue' and c.family != 'bert':
-        raise A.UsageError(f"--task glue needs a BERT model, this one is {c.family!r}")
+        raise UsageError(f"--task glue needs a BERT model, this one is {c.family!r}")
     if cfg.task == 'lm' and c.family == 'bert' and cfg.stage2_iters:
-        raise A.UsageError("a BERT model has no next-token loss: use --task glue (or --stage2_iters 0)")
+        raise UsageError("a BERT model has no next-token loss: use --task glue (or --stage2_iters 0)")
     task, layers = load_task(cfg, model), parse_layers(cfg.layers, c.n_layer)
     module = (train.Classifier(model, num_labels) if cfg.task == 'glue' else model).to(rt.device)
     calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i)) for i in range(CALIB_BATCHES)]
@@ -472,7 +473,7 @@ def main(argv=None):
         else:
             run(cfg)
         return 0
-    except (A.UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:   # one line; bugs: a traceback
+    except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:   # one line; bugs: a traceback
         print(f"convert.py: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -10,6 +10,7 @@ matplotlib is installed).
     python eval.py --lln --out_dir out/lln                  # LLN Fig. 2 on Gaussian q, k (no model)
     python eval.py --ckpt out-convert --passkey --sweep 512,1024   # or --lm_eval hellaswag,arc_easy
 """
+import contextlib
 import ctypes
 import itertools
 import json
@@ -26,6 +27,7 @@ import torch
 from torch.utils import benchmark
 
 import attention
+from attention import UsageError
 import model as M
 import tokenizer
 import train
@@ -47,23 +49,23 @@ def log(*a):
 
 # ---- loading -----------------------------------------------------------------
 
-def load_model(ckpt, device='cpu'):
-    """(model, extra) by model.load, its error in one line."""
+def load_model(ckpt, device='cpu', attn=''):
+    """(model, extra) by model.load (with attention `attn` if given), its error in one line."""
     try:
-        m, extra = M.load(ckpt)
-    except (attention.UsageError, tokenizer.TokenizerError, OSError) as e:
-        raise attention.UsageError(f'cannot load --ckpt {ckpt!r}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}')
+        m, extra = M.load(ckpt, **({'attn': attn} if attn else {}))
+    except (UsageError, tokenizer.TokenizerError, OSError) as e:
+        raise UsageError(f'cannot load --ckpt {ckpt!r}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}')
     return m.to(device).eval(), extra
 
 def load(args, causal_for=None, with_tokenizer=True):
     """(model, extra, tokenizer) of --ckpt: the model's own tokenizer or --tokenizer's (tokenizer.resolve)."""
     if not args.ckpt:
-        raise attention.UsageError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
-    model, extra = load_model(args.ckpt, args.device)
+        raise UsageError('this report needs --ckpt (a checkpoint from train.py/convert.py, an HF folder or hub name)')
+    model, extra = load_model(args.ckpt, args.device, args.attn)
     if causal_for and model.config.family == 'bert':
-        raise attention.UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
+        raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
     if args.context > model.config.block_size:
-        raise attention.UsageError(f'--context {args.context} > model block_size {model.config.block_size}')
+        raise UsageError(f'--context {args.context} > model block_size {model.config.block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 def load_text(data):
@@ -91,28 +93,54 @@ def report_ppl(args):
     ids = tok.encode(text)[:args.limit or None]
     context, attn, t0 = args.context or min(model.config.block_size, 1024), describe_attention(model), time.time()
     log(f'tokenizer: {tok.name}; data: {source} ({len(ids):,} tokens); attention: {attn}')
-    res = train.perplexity(model, ids, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
-    res.update(ckpt=args.ckpt, data=source, tokenizer=tok.name, attn=attn, seconds=round(time.time() - t0, 2))
+    with softmax_shares(model) as shares:
+        res = train.perplexity(model, ids, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
+    res.update(ckpt=args.ckpt, data=source, tokenizer=tok.name, attn=attn, seconds=round(time.time() - t0, 2),
+               softmax_share=shares)
     log(f'perplexity {res["ppl"]:.3f} (mean NLL {res["nll"]:.4f} nats/token) over {res["tokens_scored"]:,} tokens, '
-        f'context {context}, stride {res["stride"]}, {res["windows"]} windows, {res["seconds"]} s')
+        f'context {context}, stride {res["stride"]}, {res["windows"]} windows, {res["seconds"]} s'
+        + describe_shares(shares))
     return res
+
+@contextlib.contextmanager
+def softmax_shares(model):
+    """{layer: {'mean', 'last'}}, filled in at the end: in the forward passes inside, each window hybrid layer's
+    share of attention on its softmax part (window, sinks, cache; the rest is on the linear part), the mean over the
+    batch, heads and rows, and at the last row of the last pass."""
+    cores, acc, out = model.attention_cores(), {}, {}
+    hooks = [c.register_forward_hook(lambda m, a, o, i=i: acc.setdefault(i, []).append(m.share.mean((0, 1))))
+             for i, c in enumerate(cores) if c.kind == 'window' and c.fmap is not None]
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
+        out.update({i: {'mean': torch.cat(x).mean().item(), 'last': x[-1][-1].item()} for i, x in acc.items()})
+
+def describe_shares(shares):
+    """'; softmax-part share 0.71 (last row 0.42), layers 0.55-0.93', or '' without window hybrids."""
+    if not shares:
+        return ''
+    m = [x['mean'] for x in shares.values()]
+    last = statistics.mean(x['last'] for x in shares.values())
+    return f'; softmax-part share {statistics.mean(m):.2f} (last row {last:.2f}), layers {min(m):.2f}-{max(m):.2f}'
 def report_glue(args):
     """A finetuned classifier (train.py --task glue, or a BERT with its head) on the task's validation split."""
     model, extra, tok = load(args)
     task, tc, bert = args.glue, extra.get('train_config') or {}, model.config.family == 'bert'
     num_labels = train.glue_num_labels(task)
     if tc.get('task') == 'glue' and tc.get('glue_task', task) != task:
-        raise attention.UsageError(f'--ckpt was finetuned on {tc["glue_task"]}, not {task}')
+        raise UsageError(f'--ckpt was finetuned on {tc["glue_task"]}, not {task}')
     if bert and model.config.num_labels != num_labels:
-        raise attention.UsageError(f'{task} has {num_labels} label(s), the checkpoint classifier {model.config.num_labels}')
+        raise UsageError(f'{task} has {num_labels} label(s), the checkpoint classifier {model.config.num_labels}')
     if not bert and not extra.get('cls_head'):
-        raise attention.UsageError('--ckpt has no classifier: want a bert with num_labels > 0 or a train.py --task glue one')
+        raise UsageError('--ckpt has no classifier: want a bert with num_labels > 0 or a train.py --task glue one')
     module = train.Classifier(model, num_labels)
     if not bert:
         module.head.load_state_dict(extra['cls_head'])
     dev = train.load_glue(task, args.data, 'validation')[:args.limit or None]
     if not dev:
-        raise attention.UsageError(f'no labelled validation examples for {task} in {args.data}')
+        raise UsageError(f'no labelled validation examples for {task} in {args.data}')
     enc = train.GlueEncoder(tok, tc.get('seq_len') or model.config.block_size, verbose=False)
     log(f'tokenizer: {enc.name}; GLUE {task} validation: {len(dev)} examples from {args.data or "datasets"}')
     preds, labels = predict_glue(module.to(args.device).eval(), enc, dev, num_labels, args.device, args.batch_size)
@@ -142,14 +170,14 @@ def load_summaries(data, limit=0):
             rows = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
         bad = [n for n, r in rows if 'dialogue' not in r or 'summary' not in r]
         if bad:
-            raise attention.UsageError(f'{data}:{bad[0]}: each line needs "dialogue" and "summary" keys')
+            raise UsageError(f'{data}:{bad[0]}: each line needs "dialogue" and "summary" keys')
         return [(r['dialogue'], r['summary']) for _, r in rows][:limit or None], data
     try:
         import datasets
         ds = datasets.load_dataset(data or 'samsum', split='test')
     except Exception as e:  # noqa: BLE001
-        raise attention.UsageError(f'--data {data or "samsum"}: not a file, and datasets cannot load it ({type(e).__name__}); '
-                           'pass a JSONL of {"dialogue", "summary"}')
+        raise UsageError(f'--data {data or "samsum"}: not a file, and datasets cannot load it ({type(e).__name__}); '
+                         'pass a JSONL of {"dialogue", "summary"}')
     return list(zip(ds['dialogue'], ds['summary']))[:limit or None], f'{data or "samsum"} (test)'
 
 @torch.no_grad()
@@ -157,7 +185,7 @@ def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     """Greedy summary of a dialogue in the SAMSum prompt, up to EOS (the prompt keeps its end if too long)."""
     room = model.config.block_size - max_new_tokens
     if room < 1:
-        raise attention.UsageError(f'--max_new_tokens {max_new_tokens} leaves no room in block_size {model.config.block_size}')
+        raise UsageError(f'--max_new_tokens {max_new_tokens} leaves no room in block_size {model.config.block_size}')
     ids = tok.encode(SAMSUM_PROMPT.format(dialogue=dialogue.strip('\n')))[-room:]
     new = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.0,
                          eos_token_id=tok.eos_id)[0, len(ids):].tolist()
@@ -168,9 +196,9 @@ def rouge(references, predictions):
     try:
         from rouge_score import rouge_scorer
     except ImportError:
-        raise attention.UsageError('ROUGE needs the rouge-score package: pip install rouge-score')
+        raise UsageError('ROUGE needs the rouge-score package: pip install rouge-score')
     if not references or len(references) != len(predictions):
-        raise attention.UsageError(f'need as many predictions as references (got {len(predictions)} and {len(references)})')
+        raise UsageError(f'need as many predictions as references (got {len(predictions)} and {len(references)})')
     scorer = rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL'])
     scores = [scorer.score(r, p) for r, p in zip(references, predictions)]
     return {k: 100.0 * sum(s[k].fmeasure for s in scores) / len(scores) for k in ('rouge1', 'rouge2', 'rougeL')}
@@ -179,7 +207,7 @@ def report_rouge(args):
     model, _, tok = load(args, 'rouge')
     rows, source = load_summaries(args.data, args.limit)
     if not rows:
-        raise attention.UsageError(f'no examples in {source}')
+        raise UsageError(f'no examples in {source}')
     log(f'tokenizer: {tok.name}; data: {source} ({len(rows)} dialogues); greedy, up to {args.max_new_tokens} '
         f'new tokens, stop at EOS ({tok.eos_id})')
     t0, refs, preds = time.time(), [s for _, s in rows], []
@@ -203,7 +231,7 @@ def generate_prompts(args, tok):
         return [p for p in text.splitlines() if p.strip()][:args.limit or None]
     ids, n, L = tok.encode(text), args.limit or 3, args.context
     if len(ids) < L:
-        raise attention.UsageError(f'--data has {len(ids)} tokens, fewer than --context {L}')
+        raise UsageError(f'--data has {len(ids)} tokens, fewer than --context {L}')
     return [tok.decode(ids[o:o + L]) for o in range(0, len(ids) - L + 1, max((len(ids) - L) // n, 1))][:n]
 
 @torch.no_grad()
@@ -335,11 +363,12 @@ def report_lm_eval(args):
 
 def report_passkey(args):
     """Passkey retrieval through lm-eval: --sweep lengths (default 512,1024,2048) x depths 0-100 %, --limit
-    samples per cell (default 6); the accuracy table and a length x depth heatmap."""
+    samples per cell (default 6); the accuracy table, a length x depth heatmap, and per length where a window hybrid's
+    attention goes (softmax_shares)."""
     model, _, tok = load(args, 'passkey')
     lengths, t0 = parse_list(args.sweep or '512,1024,2048', 'sweep'), time.time()
     folder, n = os.path.join(args.out_dir, 'passkey_task'), args.limit or 6
-    passkey_task(folder, tok, lengths, samples=n)
+    prompts = passkey_task(folder, tok, lengths, samples=n)
     res = run_lm_eval(args, model, tok, ['passkey_retrieval'], folder, log_samples=True)   # every sample written
     cells = {}
     for smp in res['samples']['passkey_retrieval']:
@@ -349,6 +378,12 @@ def report_passkey(args):
     rows = ['| tokens | ' + ' | '.join(f'depth {d} %' for d in depths) + ' | mean |', '|---' * (len(depths) + 2) + '|']
     rows += [f'| {L} | ' + ' | '.join(f'{a:.2f}' for a in r + [sum(r) / len(r)]) + ' |' for L, r in zip(lengths, acc)]
     log('\n'.join(rows) + f'\n{describe_attention(model)}: {n} samples per cell, {time.time() - t0:.0f} s')
+    shares = {}
+    for L in lengths:   # where the attention goes: on the first prompt of each length at depth 50 %
+        with torch.no_grad(), softmax_shares(model) as shares[L]:
+            model(torch.tensor([tok.encode(next(r for r in prompts if (r['length'], r['depth']) == (L, 50))['input'])],
+                               device=args.device))
+        log(f'{L} tokens, depth 50 %' + describe_shares(shares[L]))
     plt = pyplot()
     if plt:
         fig, ax = plt.subplots(figsize=(4.5, 3))
@@ -358,7 +393,7 @@ def report_passkey(args):
         fig.colorbar(im)
         _save_figure(fig, args.out_dir, 'passkey.png')
     return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'lengths': lengths, 'depths': depths,
-            'accuracy': acc, 'samples_per_cell': n, 'seconds': round(time.time() - t0, 1)}
+            'accuracy': acc, 'samples_per_cell': n, 'softmax_share': shares, 'seconds': round(time.time() - t0, 1)}
 
 # ---- attention fidelity ------------------------------------------------------
 
@@ -367,9 +402,9 @@ def parse_list(s, what, kind=int):
     try:
         vals = [kind(x) for x in s.split(',') if x.strip()]
     except ValueError:
-        raise attention.UsageError(f'--{what} wants comma-separated {"integers" if kind is int else "numbers"}, got {s!r}')
+        raise UsageError(f'--{what} wants comma-separated {"integers" if kind is int else "numbers"}, got {s!r}')
     if not vals or any(not v > 0 for v in vals):
-        raise attention.UsageError(f'--{what} wants positive numbers, got {s!r}')
+        raise UsageError(f'--{what} wants positive numbers, got {s!r}')
     return vals
 
 def parse_maps(s):
@@ -377,7 +412,7 @@ def parse_maps(s):
     specs = [m for m in map(str.strip, s.split(',')) if m]
     bad = [m for m in specs if m.partition(':')[0] not in attention.FEATURE_MAPS]
     if bad:
-        raise attention.UsageError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
+        raise UsageError(f'unknown map(s) {", ".join(bad)}: choose from {", ".join(attention.FEATURE_MAPS)}')
     return [(m, attention.AttnSpec.parse(m)) for m in specs]
 
 def parse_heads(s, n_layer, n_head):
@@ -387,7 +422,7 @@ def parse_heads(s, n_layer, n_head):
     pairs = [p.split(':') for p in s.split(',')]
     if not all(len(p) == 2 and p[0].isdigit() and p[1].isdigit() and int(p[0]) < n_layer and int(p[1]) < n_head
                for p in pairs):
-        raise attention.UsageError(f'--heads wants layer:head pairs, layers 0..{n_layer - 1}, heads 0..{n_head - 1}; got {s!r}')
+        raise UsageError(f'--heads wants layer:head pairs, layers 0..{n_layer - 1}, heads 0..{n_head - 1}; got {s!r}')
     return [(int(li), int(h)) for li, h in pairs][:6]
 
 def fidelity_windows(tok, ids, context, n_samples, bert=False):
@@ -396,7 +431,7 @@ def fidelity_windows(tok, ids, context, n_samples, bert=False):
     body = context - len(frame)
     n = min(len(ids) // body, n_samples)
     if n < 1:
-        raise attention.UsageError(f'need at least --context={context} tokens of text' + (' (with [CLS] and [SEP])' if bert
+        raise UsageError(f'need at least --context={context} tokens of text' + (' (with [CLS] and [SEP])' if bert
                            else '') + f', got {len(ids)}')
     return torch.tensor([frame[:1] + ids[i * body:(i + 1) * body] + frame[1:] for i in range(n)], dtype=torch.long)
 
@@ -583,7 +618,7 @@ def report_lln(args):
     (default 256), --batch_size sequences, --sweep temperatures sigma^2."""
     grid, D, T, n = parse_list(args.sweep or LLN_GRID, 'sweep', float), 64, args.context or 256, args.batch_size
     if T < 2:
-        raise attention.UsageError(f'--lln wants --context >= 2 tokens, got {T}')
+        raise UsageError(f'--lln wants --context >= 2 tokens, got {T}')
     (a, b), curves = attention.lln_fit(D), lln_fig2(D, T, grid, n)
     ref, near = curves['softmax']['entropy_bits'], [i for i, s2 in enumerate(grid) if 1 <= s2 <= 4]
     err = {lab: max((abs(d['entropy_bits'][i] - ref[i]) for i in near), default=None)
@@ -728,7 +763,7 @@ def report_bench(args):
     """--bench attention,prefill,decode (or all) of --maps (default elu) against softmax at the --sweep lengths."""
     parts = [w.strip() for w in args.bench.split(',') if w.strip()]
     if not parts or not set(parts) <= set(BENCH_SWEEPS) | {'all'}:
-        raise attention.UsageError(f'--bench {args.bench!r}: choose from {", ".join([*BENCH_SWEEPS, "all"])}, comma-separated')
+        raise UsageError(f'--bench {args.bench!r}: choose from {", ".join([*BENCH_SWEEPS, "all"])}, comma-separated')
     specs, cuda, n = parse_maps(args.maps or 'elu'), torch.device(args.device).type == 'cuda', torch.get_num_threads()
     cfg = {'threads': n, 'maps': [s[0] for s in specs],
            'device_name': torch.cuda.get_device_name() if cuda else f'{os.cpu_count()}-core CPU ({n} torch threads)',
@@ -777,6 +812,8 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     passkey: bool = False         # passkey retrieval by length (--sweep) and depth, through lm-eval
     lm_eval_include: str = ''     # a folder of local lm-eval task yamls (dataset_path: json)
     ckpt: str = ''                # train.py checkpoint or out_dir, convert.py folder, HF folder or hub name, .gguf file
+    attn: str = ''                # load --ckpt with this attention: e.g. lolcats:window=64:sinks=4:cache=256 (a
+                                  # conversion keeps its trained maps when only impl, sinks or cache change)
     tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the model's own
     data: str = ''                # input data (see each report)
     out_dir: str = 'out/eval'     # where JSON (and PNG) results go
@@ -808,6 +845,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
         if min(self.batch_size - 1, self.context, self.stride, self.limit, self.max_new_tokens) < 0:
             raise ValueError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
         parse_maps(self.maps)   # their specs, checked here
+        attention.AttnSpec.parse(self.attn or 'softmax')
 
 def main(argv=None):
     """Runs one report: 0, or 2 and one line `eval.py: error: ...` on bad input."""
@@ -817,7 +855,7 @@ def main(argv=None):
         res = {'report': args.report, **globals()['report_' + args.report](args)}
     except SystemExit as e:   # parse_config printed its one line
         return e.code
-    except (attention.UsageError, tokenizer.TokenizerError, OSError) as e:   # one line; bugs keep their traceback
+    except (UsageError, tokenizer.TokenizerError, OSError) as e:   # one line; bugs keep their traceback
         print(f"eval.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         return 2
     os.makedirs(args.out_dir, exist_ok=True)

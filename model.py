@@ -454,8 +454,9 @@ def load(path, **overrides):
     not) or hub name (needs internet), or a llama.cpp .gguf file (dequantised to float32).
     `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...). Only new
     attention parameters may be absent; when `attn` changes the map of a layer of our checkpoint, its trained
-    core is re-initialised (with a message); a change of `impl` alone keeps it. model.tokenizer is the
-    checkpoint's own (or None). extra: what save(**extra) stored, and 'base', the model a conversion began from."""
+    core is re-initialised (with a message); a change of `impl`, `sinks` or `cache` alone keeps it. model.tokenizer
+    is the checkpoint's own (or None). extra: what save(**extra) stored, and 'base', the model a conversion began
+    from."""
     names = [f.name for f in fields(GPTConfig)]
     bad = sorted(set(overrides) - set(names))
     if bad:
@@ -528,7 +529,7 @@ def _load_ours(path, overrides, as_base):
         model, _ = _load(base, {k: v for k, v in want.items() if k != 'family'}, as_base=True)
     else:
         model = GPT(GPTConfig(**want))
-    spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)), impl='chunked')  # impl aside
+    spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)), impl='chunked', sinks=0, cache=0)
     changed = [i for i in range(saved.n_layer) if spec(saved, i) != spec(model.config, i)]
     if changed and not as_base:
         print(f"{path}: attention of layers {changed} changed to {model.config.attn}: their cores are re-initialised")
@@ -613,7 +614,7 @@ def _hf_folder(name_or_dir):
             folder = snapshot_download(name_or_dir, allow_patterns=files + ['*.bin'])
     except Exception as e:  # offline, unknown repo, gated model, ...
         raise UsageError(f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: {e}); "
-                           "that needs internet access (and a token for gated models); or give a local folder") from e
+                         "that needs internet access (and a token for gated models); or give a local folder") from e
     return folder
 
 def _read_hf_tensors(folder):

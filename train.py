@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import attention
+from attention import UsageError
 import tokenizer as tokenizer_lib
 import model as M
 
@@ -148,11 +149,11 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     keys of complete pairs as queries. y = -100 except at the queries: their values; label_repeats=True also
     labels every context key that repeats an earlier one with its value (a dense training signal)."""
     if vocab < 4 or vocab % 2:
-        raise attention.UsageError(f"vocab must be even and >= 4, got {vocab}")
+        raise UsageError(f"vocab must be even and >= 4, got {vocab}")
     ctx_len, nk = seq_len - n_queries, vocab // 2
     n_pairs, g = ctx_len // 2, torch.Generator().manual_seed(int(seed))
     if n_queries < 1 or n_pairs < 1:
-        raise attention.UsageError(f"seq_len={seq_len} leaves no room for key-value pairs and {n_queries} queries")
+        raise UsageError(f"seq_len={seq_len} leaves no room for key-value pairs and {n_queries} queries")
     keys = torch.randint(0, nk, (n, (ctx_len + 1) // 2), generator=g)
     kv_map = torch.argsort(torch.rand(n, nk, generator=g), dim=1) + nk          # (n, nk): key -> value
     vals = torch.gather(kv_map, 1, keys)
@@ -183,11 +184,11 @@ def load_text(path_or_name, split='train'):
     """A text file, a folder of .txt files (sorted, recursive, joined by blank lines) or a HF `datasets`
     name ('wikitext:wikitext-103-raw-v1' = name:config; needs internet or the HF cache; `split` is its)."""
     if not path_or_name:
-        raise attention.UsageError("--data is empty: give a text file, a folder of .txt files or a datasets name")
+        raise UsageError("--data is empty: give a text file, a folder of .txt files or a datasets name")
     files = sorted(glob.glob(os.path.join(path_or_name, '**', '*.txt'), recursive=True)) \
         if os.path.isdir(path_or_name) else [path_or_name] if os.path.isfile(path_or_name) else None
     if files == []:
-        raise attention.UsageError(f"no .txt files under {path_or_name}")
+        raise UsageError(f"no .txt files under {path_or_name}")
     if files:
         return '\n\n'.join(open(fn, encoding='utf-8', errors='replace').read() for fn in files)
     name, _, config = path_or_name.partition(':')
@@ -195,8 +196,8 @@ def load_text(path_or_name, split='train'):
         import datasets
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:
-        raise attention.UsageError(f"{path_or_name!r} is not a local file or folder, and datasets.load_dataset failed "
-                           f"({type(e).__name__}: {str(e)[:200]}); offline, pass a local text file or folder") from None
+        raise UsageError(f"{path_or_name!r} is not a local file or folder, and datasets.load_dataset failed "
+                         f"({type(e).__name__}: {str(e)[:200]}); offline, pass a local text file or folder") from None
     return '\n'.join(ds['text' if 'text' in ds.column_names else ds.column_names[0]])
 
 def text_splits(cfg, tok):
@@ -207,7 +208,7 @@ def text_splits(cfg, tok):
     ids = tok.encode_array(load_text(cfg.data))
     n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 2)
     if len(ids) - n_val < cfg.seq_len + 2:
-        raise attention.UsageError(f"{cfg.data}: {len(ids)} tokens is too little text for seq_len={cfg.seq_len}")
+        raise UsageError(f"{cfg.data}: {len(ids)} tokens is too little text for seq_len={cfg.seq_len}")
     return ids[:-n_val], ids[-n_val:]
 
 def get_text_batch(ids, offsets, seq_len):
@@ -219,7 +220,7 @@ def ppl_windows(n_tokens, context, stride):
     """Sliding windows over the n_tokens-1 next-token predictions: (begin, end, n_new) with inputs
     ids[begin:end], targets ids[begin+1:end+1], of which only the last n_new are scored (each once)."""
     if stride < 1 or context < 1 or stride > context:
-        raise attention.UsageError(f'need 1 <= stride <= context (got context={context}, stride={stride})')
+        raise UsageError(f'need 1 <= stride <= context (got context={context}, stride={stride})')
     m = n_tokens - 1
     ends = [min(b + context, m) for b in range(0, m, stride)]   # stride <= context: each ends past the one before
     ends = ends[:ends.index(m) + 1] if ends else []              # up to the first window that reaches the end
@@ -234,7 +235,7 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
     ids = torch.as_tensor(ids, dtype=torch.long)
     windows = ppl_windows(ids.numel(), context, stride)
     if not windows:
-        raise attention.UsageError('need at least 2 tokens of text for perplexity')
+        raise UsageError('need at least 2 tokens of text for perplexity')
     total_nll, total, t0, n_all = 0.0, 0, time.time(), sum(n for _, _, n in windows)
     runs = [list(g) for _, g in itertools.groupby(windows, key=lambda w: w[1] - w[0])]   # windows of one length
     for group in (run[i:i + batch_size] for run in runs for i in range(0, len(run), batch_size)):
@@ -258,7 +259,7 @@ GLUE_FILES = {'train': ('train',), 'validation': ('dev', 'validation', 'dev_matc
 
 def glue_task_name(task):
     if task not in GLUE_TASKS:
-        raise attention.UsageError(f"unknown GLUE task {task!r}; choose one of: {', '.join(GLUE_TASKS)}")
+        raise UsageError(f"unknown GLUE task {task!r}; choose one of: {', '.join(GLUE_TASKS)}")
     return task
 
 def glue_num_labels(task):
@@ -272,7 +273,7 @@ def _glue_example(row, task, where):
         low = {str(k).strip().lower(): v for k, v in row.items()}
         a, b = (next((low[c.lower()] for c in cols if c.lower() in low), None) for cols in (a_cols, b_cols))
         if a is None or (b_cols and b is None):
-            raise attention.UsageError(f"{where}: no column {list(a_cols + b_cols)} for {task}'s texts (columns: {list(row)})")
+            raise UsageError(f"{where}: no column {list(a_cols + b_cols)} for {task}'s texts (columns: {list(row)})")
         label = next((low[c] for c in GLUE_LABELS if low.get(c) not in (None, '', '-')), None)
     elif not any(c.strip() for c in row):
         return None
@@ -281,7 +282,7 @@ def _glue_example(row, task, where):
     elif len(row) >= 2 + bool(b_cols):
         a, b, label = row[-2 - bool(b_cols)], row[-2] if b_cols else None, row[-1]
     else:
-        raise attention.UsageError(f"{where}: cannot read {len(row)} columns as a {task} row without a header")
+        raise UsageError(f"{where}: cannot read {len(row)} columns as a {task} row without a header")
     if label is None:
         return None
     label = str(label).strip()
@@ -294,12 +295,12 @@ def load_glue(task, path, split='train'):
     or one file; TSVs with GLUE's header row or without one (`sentence<TAB>label`, ../shared/data/cola)."""
     task = glue_task_name(task)
     if split not in GLUE_FILES or not path:
-        raise attention.UsageError(f"unknown split {split!r}; use train or validation" if path else "--data is empty: give "
-                           "a folder of GLUE TSV/CSV/JSONL files")
+        raise UsageError(f"unknown split {split!r}; use train or validation" if path else "--data is empty: give "
+                         "a folder of GLUE TSV/CSV/JSONL files")
     fn = path if os.path.isfile(path) else next((fn for stem in GLUE_FILES[split] for ext in ('tsv', 'csv', 'jsonl')
                                                  for fn in glob.glob(os.path.join(path, f"{stem}.{ext}"))), None)
     if fn is None:
-        raise attention.UsageError(f"no {split} file in {path!r}: expected {'|'.join(GLUE_FILES[split])}.tsv|csv|jsonl")
+        raise UsageError(f"no {split} file in {path!r}: expected {'|'.join(GLUE_FILES[split])}.tsv|csv|jsonl")
     with open(fn, encoding='utf-8', newline='') as f:
         if fn.endswith('.jsonl'):
             rows = [json.loads(line) for line in f if line.strip()]
@@ -424,9 +425,9 @@ def setup(cfg):
     device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
     cuda = device.startswith('cuda')
     if cuda and not torch.cuda.is_available():
-        raise attention.UsageError(f"--device {cfg.device} but CUDA is not available (use --device cpu or auto)")
+        raise UsageError(f"--device {cfg.device} but CUDA is not available (use --device cpu or auto)")
     if cfg.grad_accum % world:
-        raise attention.UsageError(f"--grad_accum {cfg.grad_accum} must be a multiple of the {world} processes")
+        raise UsageError(f"--grad_accum {cfg.grad_accum} must be a multiple of the {world} processes")
     if ddp and not dist.is_initialized():
         dist.init_process_group(backend='nccl' if cuda else 'gloo')
     if ddp and cuda:   # one GPU per process
@@ -579,7 +580,7 @@ class Task:
         if verbose:   # (examples; for text, window offsets)
             print(f"{cfg.task}: {self.size['train']:,} train / {self.size['val']:,} val examples")
         if self.size['train'] < 1:
-            raise attention.UsageError("no training data")
+            raise UsageError("no training data")
 
     def batch(self, split, sel):
         if self.cfg.task == 'text':
@@ -667,7 +668,7 @@ def _model_and_task(cfg, explicit, verbose):
     ckpt, model, state = os.path.join(cfg.out_dir, 'ckpt.pt'), None, None
     if cfg.resume:
         if not os.path.exists(ckpt):
-            raise attention.UsageError(f"--resume but there is no checkpoint {ckpt}")
+            raise UsageError(f"--resume but there is no checkpoint {ckpt}")
         model, state = load_init(ckpt, resume=True)
     elif cfg.init_from != 'scratch':
         over = dict({'attn': cfg.attn} if 'attn' in explicit else {}, dropout=cfg.dropout)
@@ -729,7 +730,7 @@ def compare(cfg, explicit=frozenset()):
     """One run per --attn value in cfg.compare (same config, budget and seeds; each in out_dir/<value>/), and
     a markdown table of the task metric, attention entropy, final train loss and times (out_dir/compare.md)."""
     if 'RANK' in os.environ:
-        raise attention.UsageError("--compare runs one process; launch it without torchrun")
+        raise UsageError("--compare runs one process; launch it without torchrun")
     rows, t0 = [], time.time()
     for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
         print(f"=== {spec} ===", flush=True)
@@ -752,7 +753,7 @@ def main(argv=None):
     cfg, explicit = parse_config(TrainConfig, argv, __doc__)
     try:
         return compare(cfg, explicit) if cfg.compare else train(cfg, explicit)
-    except (NonFiniteLoss, attention.UsageError, tokenizer_lib.TokenizerError, OSError) as e:  # one line; bugs: a traceback
+    except (NonFiniteLoss, UsageError, tokenizer_lib.TokenizerError, OSError) as e:  # one line; bugs: a traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(NONFINITE_EXIT if isinstance(e, NonFiniteLoss) else 2) from None
 

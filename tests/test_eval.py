@@ -167,6 +167,29 @@ def test_ppl_on_linear_checkpoint_dir(tmp_path):
     assert res['attn'] == 'hedgehog' and res['stride'] == 16 and math.isfinite(res['ppl'])
 
 
+def test_softmax_shares_and_a_cache_added_at_load(tmp_path, capsys):
+    """softmax_shares: each window layer's share of attention on its softmax part, against the attention matrix
+    (the weights on the window and sink keys, summed per row). --attn loads a window model with a sparse cache
+    (its trained maps kept) and --ppl reports both the perplexity and the shares."""
+    m, path = _tiny_gpt(tmp_path, attn='hedgehog:window=4:sinks=1', block_size=64)
+    x = torch.randint(0, _vocab(), (2, 40))
+    with torch.no_grad(), ev.softmax_shares(m) as shares, m.capture_qkv() as rec:
+        m(x)
+    for i, core in enumerate(m.attention_cores()):
+        w = core.weights(*rec[i][:2]).double()   # (2, H, 40, 40)
+        a, b = torch.arange(40)[:, None], torch.arange(40)[None, :]
+        soft = (w * (((a - b < 4) | (b < 1)) & (b <= a))).sum(-1)   # the window and the sink
+        assert shares[i]['mean'] == pytest.approx(soft.mean().item(), rel=1e-5)
+        assert shares[i]['last'] == pytest.approx(soft[..., -1].mean().item(), rel=1e-5)
+    out = str(tmp_path / 'out')
+    assert _run(['--ckpt', path, '--attn', 'hedgehog:window=4:sinks=1:cache=4', '--ppl', '--data', _text_file(tmp_path),
+                 '--context', '48', '--out_dir', out]) == 0
+    res = _json(out, 'ppl')
+    assert res['attn'] == 'hedgehog:window=4:sinks=1:cache=4' and set(res['softmax_share']) == {'0', '1'}
+    printed = capsys.readouterr().out
+    assert 'softmax-part share ' in printed and 're-initialised' not in printed
+
+
 # ---- GLUE -------------------------------------------------------------------------------------------------
 
 def test_glue_metrics_match_sklearn_scipy():

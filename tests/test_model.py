@@ -437,6 +437,13 @@ def test_change_of_impl_keeps_trained_maps_change_of_map_says_so(tmp_path, capsy
     with torch.no_grad():
         torch.testing.assert_close(m2(idx)[0], model(idx)[0], atol=1e-4, rtol=1e-4)
     assert 're-initialised' not in capsys.readouterr().out
+    m4 = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=8:window=4')   # a new window: new cores
+    assert 're-initialised' in capsys.readouterr().out
+    M.save(str(tmp_path / 'w' / 'ckpt.pt'), m4)   # a window model loads with sinks and a sparse cache, maps kept
+    m5 = M.GPT.from_pretrained(str(tmp_path / 'w'), attn='hedgehog:feature_dim=8:window=4:sinks=2:cache=8')
+    assert 're-initialised' not in capsys.readouterr().out and m5.attention_cores()[1].spec.cache == 8
+    for a, b in zip(m4.state_dict().items(), m5.state_dict().items()):
+        assert a[0] == b[0] and torch.equal(a[1], b[1])
     m3 = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=4')
     assert 're-initialised' in capsys.readouterr().out and m3.attention_cores()[0].fmap.feature_dim == 4
 
