@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import attention as A
+import kernels as K
 
 MAPS = list(A.FEATURE_MAPS)
 PATHS = ('quadratic', 'chunked', 'recurrent')  # the PyTorch paths (triton: tests/test_kernels.py)
@@ -64,16 +65,24 @@ def test_state_carry_over(impl):
     assert rel_err(S2, S) < 1e-5 and rel_err(z2, z) < 1e-5
 
 
-def test_linear_attention_matches_definition():
-    """The chunked path against the formula written out with a loop in float64."""
+@pytest.mark.parametrize("impl", PATHS + ('reference',))
+def test_linear_attention_matches_definition(impl):
+    """Every path, and kernels.py's reference, against the formula written out with a loop in float64 (with an initial
+    state (S0, z0)): y_t = phi_q_t . (S0 + sum_{s<=t} phi_k_s v_s^T) / phi_q_t . (z0 + sum_{s<=t} phi_k_s)."""
     q, k, v = qkv(T=11)
     phi_q, phi_k = A.make_feature_map('elu', D, H)(q, k)
-    y = A.linear_attention(phi_q, phi_k, v, impl='chunked', chunk_size=4)
+    g = torch.Generator().manual_seed(1)
+    S0, z0 = torch.randn(B, H, D, D, generator=g), torch.rand(B, H, D, generator=g) * 3
+    if impl == 'reference':
+        y = K.causal_linear_attention_reference(phi_q, phi_k, v, initial_state=(S0, z0))
+    else:
+        y = A.linear_attention(phi_q, phi_k, v, impl=impl, chunk_size=4, initial_state=(S0, z0))
     pq, pk, vd = phi_q.double(), phi_k.double(), v.double()
     ref = torch.zeros_like(vd)
     for t in range(11):
         w = (pq[:, :, t:t + 1] * pk[:, :, :t + 1]).sum(-1)  # (B, H, t+1)
-        ref[:, :, t] = (w[..., None] * vd[:, :, :t + 1]).sum(2) / w.sum(-1, keepdim=True)
+        num = (w[..., None] * vd[:, :, :t + 1]).sum(2) + (pq[:, :, t, :, None] * S0.double()).sum(2)
+        ref[:, :, t] = num / (w.sum(-1, keepdim=True) + (pq[:, :, t] * z0.double()).sum(-1, keepdim=True))
     assert rel_err(y.double(), ref) < 1e-6
 
 
