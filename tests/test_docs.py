@@ -32,7 +32,8 @@ def blocks(text):
     """(language, code) of every fenced block, and ('inline', span) of every inline `python ...` span."""
     fenced = re.findall(r'^```(\w*)\n(.*?)^```', text, re.S | re.M)
     rest = re.sub(r'^```.*?^```', '', text, flags=re.S | re.M)
-    return fenced + [('inline', s) for s in re.findall(r'`((?:[A-Z_]+=\S+ )*(?:python|torchrun) [^`]+)`', rest)]
+    spans = re.findall(r'`((?:[A-Z_]+=\S+ )*(?:python|torchrun) [^`]+)`', rest)
+    return fenced + [('inline', ' '.join(x.split())) for x in spans]   # a span may wrap
 
 
 def commands(doc, tmp_path):

@@ -1,0 +1,116 @@
+"""docs/COURSE.md, run. Each lesson's `# lesson N` block (and its Python snippet) runs at a tiny size in CI: the
+sizes shrunk, the data and SmolLM2 replaced by tiny local files, and every line the lesson shows as output must be
+printed (its numbers aside). With --course-full, lessons 1-5 run as written on ../shared/data, and the numbers
+printed must agree with the ones the lesson states: within 2 % (lesson 3: within 0.02), error magnitudes such as
+1.7e-07 below 1e-5; the wall time of each lesson is printed (the teacher's note). Lesson 6 needs SmolLM2: its full
+run is a measurement (docs/RESULTS.md), not a test."""
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from test_gguf import _model, gguf_tensors, write_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COURSE = os.path.join(ROOT, 'docs', 'COURSE.md')
+TINY_TEXT = ''.join(f'To be, or not to be, that is the question {i % 7}. Whether tis nobler in the mind.\n'
+                    for i in range(400))
+SHRINK = [(r'--max_iters \d+', '--max_iters 3 --n_train 64 --seq_len 32 --n_embd 32 --batch_size 8'),
+          (r'--stage1_iters \d+', '--stage1_iters 2'), (r'--stage2_iters \d+', '--stage2_iters 2'),
+          (r'--eval_batches \d+', '--eval_batches 1'), (r'--block_size \d+', '--block_size 32'),
+          (r'--batch_size \d+', '--batch_size 2'), (r'--seq_len 128', '--seq_len 32'),
+          (r'--context 128', '--context 32'),
+          (r'--sweep 512,1024,2048,4096', '--sweep 16,32'), (r'--eval_interval \d+', '--eval_interval 3'),
+          (r'--lln', '--lln --sweep 1 --context 16 --batch_size 1'), (r'--limit \d+', '--limit 1'),
+          (r'^G=.*$', 'G=tiny.gguf'), (r'^pip .*$', ''), (r'\.\./shared/data/wikitext-2', 'wiki'),
+          (r'\.\./shared/data/tinyshakespeare/input\.txt', 'tiny.txt'),
+          (r'python (\w+\.py)', rf'{sys.executable} {ROOT}/\1')]
+TOLERANCE = {3: dict(abs=0.02)}
+
+
+def lessons():
+    """{n: (python snippets, the `# lesson n` bash block, expected output lines)} of docs/COURSE.md."""
+    text, out = open(COURSE, encoding='utf-8').read(), {}
+    for part in re.split(r'^## Lesson ', text, flags=re.M)[1:]:
+        n = int(part.split('.')[0])
+        blocks = re.findall(r'^```(\w*)\n(.*?)^```', part, re.S | re.M)
+        bash = [code for lang, code in blocks if code.startswith(f'# lesson {n}\n')]
+        out[n] = ([c for lang, c in blocks if lang == 'python'], bash[0] if bash else '',
+                  [line for lang, c in blocks if lang == 'text' for line in c.splitlines() if line.strip()])
+    return out
+
+
+LESSONS = lessons()
+
+
+def run_lesson(n, cwd, shrink):
+    """Runs lesson n's snippets and block in cwd; returns what they printed."""
+    snippets, block, _ = LESSONS[n]
+    printed = io.StringIO()
+    for code in snippets:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, f'lesson {n} snippet', 'exec'), {'__name__': 'lesson'})
+    if shrink:
+        block = block.replace('\\\n', ' ')
+        for pattern, repl in SHRINK:
+            block = re.sub(pattern, repl, block, flags=re.M)
+    r = subprocess.run(['bash', '-c', 'set -e\n' + block], cwd=cwd, capture_output=True, text=True, timeout=3000,
+                       env=dict(os.environ, HF_DATASETS_OFFLINE='1'))
+    assert r.returncode == 0, (n, block, r.stdout[-3000:], r.stderr[-3000:])
+    return printed.getvalue() + r.stdout
+
+
+def matches(want, printed):
+    """The printed line of each line shown, in order: the next one that starts as it does (up to its first decimal)."""
+    got, i = [], 0
+    for line in want:
+        head = re.split(r'-?\d+\.\d', line, maxsplit=1)[0]
+        i = next((j for j in range(i, len(printed)) if printed[j].startswith(head)), len(printed))
+        got.append(printed[i] if i < len(printed) else None)
+        i += 1
+    return got
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+    """Tiny stand-ins: Tiny Shakespeare, WikiText-2's two files, SmolLM2's GGUF file (a tiny byte-level Llama)."""
+    d = tmp_path_factory.mktemp('course')
+    (d / 'tiny.txt').write_text(TINY_TEXT)
+    (d / 'wiki').mkdir()
+    for split in ('valid', 'test'):
+        (d / 'wiki' / f'{split}.txt').write_text(TINY_TEXT)
+    m = _model()
+    write_gguf(d / 'tiny.gguf', m.config, gguf_tensors(m))
+    return d
+
+
+@pytest.mark.parametrize('n', sorted(LESSONS))
+def test_lesson_runs_at_a_tiny_size(n, workdir, monkeypatch):
+    """Lessons in order (4 and 5 use lesson 2's teacher): every output line the lesson shows is printed."""
+    monkeypatch.chdir(ROOT)
+    torch.manual_seed(0)
+    printed = run_lesson(n, workdir, shrink=True)
+    got = matches(LESSONS[n][2], printed.splitlines())
+    assert None not in got, (n, [w for w, g in zip(LESSONS[n][2], got) if g is None], printed[-3000:])
+
+
+@pytest.mark.course_full
+@pytest.mark.parametrize('n', [1, 2, 3, 4, 5])
+def test_lesson_as_written_prints_the_stated_numbers(n, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    t0 = time.time()
+    printed = run_lesson(n, ROOT, shrink=False).splitlines()
+    print(f'lesson {n}: {time.time() - t0:.0f} s')
+    for want, got in zip(LESSONS[n][2], matches(LESSONS[n][2], printed)):
+        assert got is not None, (n, want)
+        for a, b in zip(*(re.findall(r'-?\d+\.\d+(?:e-?\d+)?', x) for x in (got, want))):
+            if 'e' in b:   # an error magnitude
+                assert float(a) < 1e-5, (n, got)
+            else:
+                assert float(a) == pytest.approx(float(b), **TOLERANCE.get(n, dict(rel=0.02))), (n, got, want)
