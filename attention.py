@@ -822,7 +822,7 @@ class Attention(nn.Module):
 
     def _window_step(self, q, k, v, state, C):
         """Tokens q, k, v (B, H, n, D) after the state's, at most up to the next update: (y, share, the new state)."""
-        (B, H, n, D), g, o, lin = q.shape, self.kv_groups, state['offset'], self.fmap is not None
+        n, g, o, lin = q.shape[2], self.kv_groups, state['offset'], self.fmap is not None
         s = min(max(self.spec.sinks - o, 0), n)  # the new tokens that are sinks
         new = {'sk': k[:, ::g, :s], 'sv': v[:, ::g, :s], 'k': k[:, ::g, s:], 'v': v[:, ::g, s:]}
         if lin:

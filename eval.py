@@ -843,7 +843,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
             raise ValueError(f'choose exactly one report: --{", --".join(REPORTS)} (got {len(chosen)})')
         self.report = chosen[0]
         if min(self.batch_size - 1, self.context, self.stride, self.limit, self.max_new_tokens) < 0:
-            raise ValueError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
+            raise UsageError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
         parse_maps(self.maps)   # their specs, checked here
         attention.AttnSpec.parse(self.attn or 'softmax')
 
