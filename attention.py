@@ -191,6 +191,7 @@ class TaylorFeatureMap(FeatureMap):
         self.feature_dim = 1 + head_dim + head_dim ** 2
 
     def phi(self, x, which, offset):
+        """x (B, H, T, D) -> (B, H, T, 1 + D + D^2): [1, x / D^1/4, vec(x x^T) / sqrt(2D)], the same for q and k."""
         x2 = torch.einsum('bhti,bhtj->bhtij', x, x).flatten(-2) / math.sqrt(2 * self.head_dim)
         return torch.cat([torch.ones_like(x[..., :1]), x * self.head_dim ** -0.25, x2], dim=-1)
 

@@ -2,7 +2,7 @@
 Convert a pretrained softmax Transformer into a linear-attention one: the LoLCATs recipe (attention transfer,
 then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension selection.
 
-    python convert.py --init_from gpt2 --attn hedgehog --data ../shared/data/tinyshakespeare/input.txt
+    python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
     python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...   (README recipe)
     python convert.py --report runs/a,runs/b            # the summary table of several conversions
 
@@ -47,7 +47,7 @@ class ConvertConfig:
                                   # softmax:window=64 (no linear part); softmax: the control run, stage 2 on the teacher
     layers: str = 'all'           # layers to convert: all | 0,2,5 | 0-3 | -1
     task: Literal['lm', 'glue'] = 'lm'   # lm: next-token loss, perplexity; glue: a BERT classifier, its metric
-    data: str = '../shared/data/tinyshakespeare/input.txt'   # text (as train.py reads it), or the GLUE folder
+    data: str = 'data/tinyshakespeare/input.txt'   # text (as train.py reads it), or the GLUE folder
     val_data: str = ''            # lm: held-out text ('' = the last 10 % of --data)
     glue_task: Literal[tuple(train.GLUE_TASKS)] = 'cola'
     block_size: int = 128         # sequence length (at most the model's)
@@ -131,7 +131,8 @@ def exp_gram(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(logits.clamp(max=700.0)) / x.shape[0]  # float64 overflows at exp(709)
 
 def degrees_of_freedom(gram: torch.Tensor, lam: float) -> float:
-    """N_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) over the eigenvalues s_i of a symmetric G."""
+    """N_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) over the eigenvalues s_i of a symmetric G (negative
+    round-off eigenvalues count as 0). lam <= 0 raises ValueError (at 0 the trace counts the rank, not a DoF)."""
     if lam <= 0:
         raise ValueError(f'lambda must be > 0, got {lam}')
     s = torch.linalg.eigvalsh(gram.double()).clamp(min=0)  # negative round-off -> 0

@@ -1,8 +1,8 @@
 """Evaluate a model: one report per run, printed and written to <out_dir>/<report>.json (figures as PNG where
 matplotlib is installed).
 
-    python eval.py --ckpt out --ppl --data ../shared/data/wikitext-2/test.txt --context 256 --stride 128
-    python eval.py --ckpt out-cola --glue cola --data ../shared/data/cola
+    python eval.py --ckpt out --ppl --data data/wikitext-2/test.txt --context 256 --stride 128
+    python eval.py --ckpt out-cola --glue cola --data data/cola
     python eval.py --ckpt out --rouge --data dialogues.jsonl --max_new_tokens 64
     python eval.py --ckpt out-convert --generate --prompt 'The capital of France is'
     python eval.py --ckpt out-convert --fidelity --data input.txt --maps elu,lln --heads 0:0,1:1
@@ -486,7 +486,8 @@ def report_fidelity(args):
                   for k, per in list(s.items())})
     log(f'{"map":32s} {"KL(softmax||map)":>16s} {"entropy":>9s} {"monotonicity":>12s}  (mean: layers, heads, rows)')
     for name, s in summary.items():
-        log(f'{name:32s} {s.get("kl_mean", math.nan):16.4f} {s["entropy_mean"]:9.3f} {s["monotonicity_mean"]:12.3f}')
+        kl = f'{s["kl_mean"]:16.4f}' if 'kl_mean' in s else f'{"-":>16s}'   # softmax: the reference itself
+        log(f'{name:32s} {kl} {s["entropy_mean"]:9.3f} {s["monotonicity_mean"]:12.3f}')
     return {'ckpt': args.ckpt, 'data': source, 'samples': len(idx), 'context': context, 'qk': args.qk,
             'attn': describe_attention(model), 'maps': list(summary), 'summary': summary, 'layers': layers,
             'figures': fidelity_figures(args.out_dir, qk, first, layers, summary, pairs, cores)}

@@ -3,8 +3,8 @@ Train a small GPT whose attention is softmax or a linear feature map (attention.
 
     python train.py --attn hedgehog                  # associative recall (the default task, no download)
     python train.py --attn lolcats:feature_dim=16:window=16:combine=mix   # options go in --attn
-    python train.py --task text --data ../shared/data/tinyshakespeare/input.txt
-    python train.py --task glue --glue_task cola --data ../shared/data/cola --init_from <HF BERT folder>
+    python train.py --task text --data data/tinyshakespeare/input.txt
+    python train.py --task glue --glue_task cola --data data/cola --init_from <HF BERT folder>
     python train.py --compare softmax,hedgehog,elu,exp:t=2 --ar_vocab 128 --max_iters 2000
     torchrun --nproc_per_node=2 train.py ...         # DDP (NCCL on GPUs, gloo on CPU)
 
@@ -147,7 +147,10 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     every sequence has its own random key->value map (a permutation). x = k1 v1 k2 v2 ... (keys uniform, with
     repeats) fills the first seq_len - n_queries positions (an odd length ends on a lone key), then n_queries
     keys of complete pairs as queries. y = -100 except at the queries: their values; label_repeats=True also
-    labels every context key that repeats an earlier one with its value (a dense training signal)."""
+    labels every context key that repeats an earlier one with its value (a dense training signal). The draws, in
+    this order from one torch.Generator seeded with `seed` (part of the contract: another order changes every number
+    trained on it): the keys randint(0, vocab/2, (n, ceil(ctx/2))), the maps argsort(rand(n, vocab/2)), the
+    queries' pair indices randint(0, n_pairs, (n, n_queries)), n_pairs = floor(ctx/2), ctx = seq_len - n_queries."""
     if vocab < 4 or vocab % 2:
         raise UsageError(f"vocab must be even and >= 4, got {vocab}")
     ctx_len, nk = seq_len - n_queries, vocab // 2
@@ -292,7 +295,7 @@ def _glue_example(row, task, where):
 def load_glue(task, path, split='train'):
     """GLUE examples [(text_a, text_b or None, label)] (label: int class, float for STS-B) of split train or
     validation. path: a folder holding train.{tsv,csv,jsonl} and dev.* (or validation.*; MNLI dev_matched.*),
-    or one file; TSVs with GLUE's header row or without one (`sentence<TAB>label`, ../shared/data/cola)."""
+    or one file; TSVs with GLUE's header row or without one (`sentence<TAB>label`, data/cola)."""
     task = glue_task_name(task)
     if split not in GLUE_FILES or not path:
         raise UsageError(f"unknown split {split!r}; use train or validation" if path else "--data is empty: give "

@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption('--course-full', action='store_true',
-                     help="also run docs/COURSE.md's lessons 1-5 as written (needs ../shared/data; about 5 minutes on an idle 2-core CPU)")
+                     help="also run docs/COURSE.md's lessons 1-5 as written (needs data; about 5 minutes on an idle 2-core CPU)")
 
 
 def pytest_collection_modifyitems(config, items):

