@@ -580,3 +580,41 @@ def test_short_conv_config_errors_and_checkpoint(tmp_path):
     idx = torch.randint(0, V, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(idx)[0], model(idx)[0])
+
+
+def test_a_checkpoint_written_before_issue_35_loads(tmp_path):
+    """A checkpoint in the format of issue 33's code, written here by hand (the key names as they were), and a
+    converted checkpoint naming it as its base: both load, each tensor where its name says, and decode as they run."""
+    g, L, C, H, Hkv, D = torch.Generator().manual_seed(0), 2, 32, 4, 2, 8
+    config = dict(family='llama', vocab_size=64, block_size=32, n_layer=L, n_head=H, n_kv_head=Hkv, n_embd=C,
+                  intermediate_size=128, dropout=0.0, bias=True, norm_eps=1e-05, rope_theta=10000.0, rope_scaling=None,
+                  tie_embeddings=True, type_vocab_size=2, num_labels=0, attn='softmax', layer_attn={}, lora=None,
+                  init_std=0.02, emb_init_std=0.02, short_conv=2)
+    shapes = {'transformer.wte.weight': (64, C), 'transformer.ln_f.weight': (C,)}
+    for i in range(L):
+        p = f'transformer.h.{i}.'
+        shapes.update({p + 'ln_1.weight': (C,), p + 'ln_2.weight': (C,), p + 'attn.k_conv.weight': (Hkv * D, 2)})
+        for name, (o, n) in dict(q_proj=(C, C), k_proj=(Hkv * D, C), v_proj=(Hkv * D, C), o_proj=(C, C)).items():
+            shapes.update({p + f'attn.{name}.weight': (o, n), p + f'attn.{name}.bias': (o,)})
+        for name, (o, n) in dict(gate_proj=(128, C), up_proj=(128, C), down_proj=(C, 128)).items():
+            shapes.update({p + f'mlp.{name}.weight': (o, n), p + f'mlp.{name}.bias': (o,)})
+    full = {k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()}
+    torch.save(dict(config=config, model=full, tokenizer=None, base=None, extra={}), tmp_path / 'base.pt')
+    new = {'transformer.h.1.attn.core.window_factor': (H,), 'transformer.h.1.attn.core.fmap.weight': (H, D, D),
+           'transformer.h.1.attn.core.fmap.bias': (H, D), **{f'transformer.h.1.attn.{p}.lora_{ab}': s for p, n in
+                                                             (('q_proj', C), ('k_proj', Hkv * D)) for ab, s in
+                                                             (('A', (2, C)), ('B', (n, 2)))}}
+    added = {k: torch.randn(s, generator=g) * 0.1 for k, s in new.items()}
+    lora = dict(rank=2, alpha=4, targets=['transformer.h.1.attn.q_proj', 'transformer.h.1.attn.k_proj'])
+    torch.save(dict(config=dict(config, layer_attn={1: 'hedgehog:window=4'}, lora=lora), model=added,
+                    tokenizer=None, base=str(tmp_path / 'base.pt'), extra={}), tmp_path / 'conv.pt')
+    for path, tensors in (('base.pt', full), ('conv.pt', {**full, **added})):
+        m, _ = M.load(tmp_path / path)
+        own = m.state_dict()
+        assert all(torch.equal(own[k], t) for k, t in tensors.items()), path
+        idx = torch.randint(0, 64, (2, 12), generator=g)
+        with torch.no_grad():
+            logits, states = m(idx)[0], None
+            for t in range(12):
+                step, states = m.prefill(idx[:, t:t + 1], t, states) if states else m.prefill(idx[:, :1])
+                assert torch.allclose(step, logits[:, t], atol=1e-4), (path, t)
