@@ -27,6 +27,7 @@ import torch
 from torch.utils import benchmark
 
 import attention
+import hybrids
 from attention import UsageError
 import model as M
 import tokenizer
@@ -109,7 +110,7 @@ def softmax_shares(model):
     batch, heads and rows, and at the last row of the last pass."""
     cores, acc, out = model.attention_cores(), {}, {}
     hooks = [c.register_forward_hook(lambda m, a, o, i=i: acc.setdefault(i, []).append(m.share.mean((0, 1))))
-             for i, c in enumerate(cores) if c.kind == 'window' and c.fmap is not None]
+             for i, c in enumerate(cores) if c.mode == 'window' and c.fmap is not None]
     try:
         yield out
     finally:
@@ -239,7 +240,7 @@ def report_generate(args):
     """Greedy continuations by the model and, for a convert.py folder, by its softmax base_model (without LoRA)."""
     model, extra, tok = load(args, 'generate')
     runs, base = [(describe_attention(model), model)], extra.get('base')   # a convert.py checkpoint names its base
-    if any(c.kind != 'softmax' for c in model.attention_cores()) and base:
+    if any(c.mode != 'softmax' for c in model.attention_cores()) and base:
         runs += [('softmax teacher', load_model(base, args.device)[0])]
     log(f'tokenizer: {tok.name}; greedy, {args.max_new_tokens} new tokens (stop at EOS {tok.eos_id}); '
         f'{" vs ".join(n for n, _ in runs)}')
@@ -468,7 +469,7 @@ def report_fidelity(args):
         maps = {} if core.spec.name == 'softmax' else {f'{core.spec} (model)': lambda q_, k_, c=core: c.weights(
             q_.to(args.device), k_.to(args.device)).cpu()}
         for label, spec in specs:
-            m = attention.Attention(spec, q.shape[-1], q.shape[1], causal=core.causal, max_len=cfg.block_size)
+            m = hybrids.Attention(spec, q.shape[-1], q.shape[1], causal=core.causal, max_len=cfg.block_size)
             calibrated = hasattr(m.fmap, 'calibrate') or spec.combine == 'mix'
             m.calibrate(q, k)   # as convert.py does first: LLN's sigma_q^2, sigma_k^2, the mix form's s
             maps[label + (' (calibrated)' if calibrated else ' (untrained)')] = m.weights
@@ -603,7 +604,7 @@ def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
     res = {label: {} for label, _, _ in LLN_FIG2_METHODS}
     for s2, (label, name, opts) in itertools.product(grid, LLN_FIG2_METHODS):
         q, k = q0 * s2 ** 0.25, k0 * s2 ** 0.25
-        core = attention.Attention(attention.AttnSpec(name, options=opts), head_dim, 1, causal=False)
+        core = hybrids.Attention(attention.AttnSpec(name, options=opts), head_dim, 1, causal=False)
         if name == 'lln':
             core.fmap.calibrate(q, k)
             res[label].setdefault('alpha', []).append(core.fmap.alpha_beta()[0].item())
@@ -685,7 +686,7 @@ def peak_memory_mb(fn, device):
 def bench_model(spec, block_size, n_layer, n_head, n_embd, device):
     """A random gpt2-style model (vocab 256) with attention `spec` in every layer."""
     torch.manual_seed(0)
-    return M.GPT(M.GPTConfig(family='gpt2', vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head,
+    return M.build(M.GPTConfig(family='gpt2', vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=n_head,
                              n_embd=n_embd, attn=str(spec))).to(device).eval()
 
 @torch.no_grad()
@@ -695,7 +696,7 @@ def bench_forward(part, lengths, specs, device):
     T tokens through a random model (the setups: BENCH_TABLES' captions)."""
     rows, dtype = [], torch.float16 if torch.device(device).type == 'cuda' else torch.float32
     for label, spec in [('softmax', attention.AttnSpec())] + specs:
-        m = attention.Attention(spec, 64, 12).to(device) if part == 'attention' else \
+        m = hybrids.Attention(spec, 64, 12).to(device) if part == 'attention' else \
             bench_model(spec, max(lengths), 2, 12, 768, device)
         for T in lengths:
             x = torch.randn(3, 1, 12, T, 64, device=device, dtype=dtype).unbind(0) if part == 'attention' else \

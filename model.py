@@ -5,7 +5,7 @@ The families, as a config switch rather than three copies of the code:
 - GPT-2: learned positions, pre-LayerNorm, GELU (tanh) MLP, tied embeddings, causal;
 - Llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention (GQA), untied head, causal;
 - BERT:  learned positions + token types, post-LayerNorm, GELU (exact) MLP, bidirectional, pooler + classifier.
-Every layer's attention is an `attention.Attention` core built from a spec string such as 'softmax',
+Every layer's attention is an `hybrids.Attention` core built from a spec string such as 'softmax',
 'hedgehog:feature_dim=64' or 'lolcats:window=64' (config.attn; config.layer_attn overrides single layers).
 Feature maps see queries and keys after RoPE, one map per query head.
 """
@@ -22,7 +22,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import tokenizer as tokenizer_lib
-from attention import Attention, AttnSpec, UsageError, state_nbytes
+from attention import AttnSpec, UsageError
+from hybrids import Attention, state_nbytes
 
 FAMILIES = ('gpt2', 'llama', 'bert')
 
@@ -150,8 +151,14 @@ class LoRALinear(nn.Linear):
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
 
+@dataclass(frozen=True)
+class LayerState:
+    """One layer's decode state: its attention core's (hybrids.py) and the key convolution's last K-1 inputs."""
+    attn: object
+    conv: torch.Tensor | None   # (B, K-1, H_kv * D), or None without a convolution
+
 class SelfAttention(nn.Module):
-    """q/k/v/o projections around a pluggable attention core (attention.Attention)."""
+    """q/k/v/o projections around a pluggable attention core (hybrids.Attention)."""
 
     def __init__(self, config, spec):
         super().__init__()
@@ -169,17 +176,16 @@ class SelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
         k, conv_past = self.k_proj(x), None                     # (B, T, nkv * hs)
         if self.k_conv is not None:
-            k, conv_past = self.k_conv(k, None if state is None else state.get('k_conv'))
+            k, conv_past = self.k_conv(k, state and state.conv)
         k = k.view(B, T, nkv, hs).transpose(1, 2)               # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        core_state = None if state is None else {n: t for n, t in state.items() if n != 'k_conv'}
-        y = self.core(q, k, v, state=core_state, return_state=return_state, key_padding_mask=key_padding_mask)
+        y = self.core(q, k, v, state=state and state.attn, return_state=return_state, key_padding_mask=key_padding_mask)
         if return_state:   # the core's state, and the conv's last K-1 inputs
-            y, state = y[0], y[1] if conv_past is None else {**y[1], 'k_conv': conv_past}
+            y, state = y[0], LayerState(y[1], conv_past)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
 
@@ -224,48 +230,48 @@ class Block(nn.Module):
         x = x + a
         return x + self.mlp(self.ln_2(x)), state
 
-# ---- the model --------------------------------------------------------------
-class GPT(nn.Module):
+# ---- the models: the shared body, then a causal LM (GPT-2, Llama) and an encoder (BERT) ----
+class Transformer(nn.Module):
+    """The body of every family: token embeddings (plus learned positions for gpt2 and bert, RoPE for llama), the
+    blocks, and (causal families) a final norm. The family is read here once; GPT and Bert add their heads."""
+
     def __init__(self, config):
         super().__init__()
-        self.config = config
-        fam, C = config.family, config.n_embd
+        self.config, C = config, config.n_embd
+        self.rope = config.family == 'llama'
         blocks = [Block(config, config.layer_attn.get(i, config.attn)) for i in range(config.n_layer)]
         modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout), h=nn.ModuleList(blocks))
-        if fam != 'llama':
+        if not self.rope:   # learned positions
             modules['wpe'] = nn.Embedding(config.block_size, C)
-        if fam == 'bert':   # token types; an embedding LayerNorm (post-LN model, no final norm)
+        if config.family == 'bert':   # token types; an embedding LayerNorm (post-LN model, no final norm)
             modules.update(wtt=nn.Embedding(config.type_vocab_size, C), ln_e=make_norm(config))
         else:
             modules['ln_f'] = make_norm(config)
         self.transformer = nn.ModuleDict(modules)
-        if fam == 'bert':
-            self.pooler = nn.Linear(C, C)
-            if config.num_labels > 0:
-                self.classifier = nn.Linear(C, config.num_labels)
-        else:
-            self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-            if config.tie_embeddings:
-                self.lm_head.weight = self.transformer.wte.weight
         self._inv_freq = {}    # device -> RoPE inverse frequencies in float32 (not a buffer: .to(bf16) must not round)
         self.tokenizer = None  # the tokenizer that travels with the model (load and save handle it)
-        for name, m in self.named_modules():   # nanoGPT init; the attention cores keep their own
-            if isinstance(m, (nn.Linear, nn.Embedding)) and '.core' not in name:
-                nn.init.normal_(m.weight, std=config.init_std if isinstance(m, nn.Linear) else config.emb_init_std)
+
+    def _init_weights(self):
+        """nanoGPT's init, after the heads are made: N(0, init_std) Linear weights (residual projections / sqrt(2
+        n_layer)), N(0, emb_init_std) embeddings, zero biases; the attention cores keep their own."""
+        cfg, cores = self.config, {id(m) for c in self.attention_cores() for m in c.modules()}
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)) and id(m) not in cores:
+                nn.init.normal_(m.weight, std=cfg.init_std if isinstance(m, nn.Linear) else cfg.emb_init_std)
                 if getattr(m, 'bias', None) is not None:
                     nn.init.zeros_(m.bias)
         for pn, p in self.named_parameters():
             if pn.endswith(('o_proj.weight', 'c_proj.weight', 'down_proj.weight')):
-                nn.init.normal_(p, std=config.init_std / math.sqrt(2 * config.n_layer))
-        if config.lora:
-            self._add_lora(**config.lora)
+                nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        if cfg.lora:
+            self._add_lora(**cfg.lora)
 
     def get_num_params(self):
         """Number of parameters, position embeddings excluded (as in nanoGPT)."""
         return sum(p.numel() for n, p in self.named_parameters() if n != 'transformer.wpe.weight')
 
     def attention_cores(self):
-        """The attention.Attention core of every layer, in layer order."""
+        """The hybrids.Attention core of every layer, in layer order."""
         return [block.attn.core for block in self.transformer.h]
 
     def set_attention(self, spec, layers=None):
@@ -300,23 +306,23 @@ class GPT(nn.Module):
     @contextlib.contextmanager
     def capture_qkv(self, layers=None, teacher=False):
         """with model.capture_qkv() as rec: model(x) -> rec[i] = (q, k, v, key_padding_mask) that layer i's core got:
-        (B, H, T, D) after RoPE, k and v GQA-repeated, mask None if causal. teacher=True: every core computes exact
-        softmax meanwhile (a converted model runs as its teacher). The one q/k capture (transfer, DoF, metrics)."""
-        cores, rec = self.attention_cores(), {}
-        layers = range(len(cores)) if layers is None else layers
-        hooks = [cores[i].register_forward_pre_hook(
+        (B, H, T, D) after RoPE, k and v GQA-repeated, mask None if causal. teacher=True: meanwhile every layer has an
+        exact softmax core (a converted model runs as its teacher). The one q/k capture (transfer, DoF, metrics)."""
+        blocks, rec = self.transformer.h, {}
+        own = [b.attn.core for b in blocks]
+        if teacher:
+            for b in blocks:
+                b.attn.core = make_core(self.config, 'softmax')
+        hooks = [blocks[i].attn.core.register_forward_pre_hook(
             lambda mod, args, kw, i=i: rec.__setitem__(i, (*args[:3], kw.get('key_padding_mask'))),
-            with_kwargs=True) for i in layers]
-        flags = [c.teacher for c in cores]
-        for c in cores:
-            c.teacher = c.teacher or teacher
+            with_kwargs=True) for i in (range(len(blocks)) if layers is None else layers)]
         try:
             yield rec
         finally:
             for h in hooks:
                 h.remove()
-            for c, f in zip(cores, flags):
-                c.teacher = f
+            for b, core in zip(blocks, own):
+                b.attn.core = core
 
     def _rope(self, offset, T, device):
         if device not in self._inv_freq:
@@ -332,60 +338,54 @@ class GPT(nn.Module):
         cfg, tr = self.config, self.transformer
         B, T = idx.size()
         x = tr.wte(idx)                                             # (B, T, C)
-        if 'wpe' in tr:
+        if not self.rope:
             if offset + T > cfg.block_size:
                 raise UsageError(f"{offset + T} positions exceed block_size={cfg.block_size} (learned positions)")
             x = x + tr.wpe(torch.arange(offset, offset + T, device=idx.device))
-        if cfg.family == 'bert':
+        if isinstance(self, Bert):
             x = tr.ln_e(x + tr.wtt(torch.zeros_like(idx) if token_type_ids is None else token_type_ids))
         x = tr.drop(x)
-        rope = self._rope(offset, T, idx.device) if cfg.family == 'llama' else None
+        rope = self._rope(offset, T, idx.device) if self.rope else None
         kpm = None if attention_mask is None else attention_mask.to(idx.device).bool()   # (B, T) True = real
         new_states = []
         for i, block in enumerate(tr.h):
             x, s = block(x, rope, None if states is None else states[i], return_state, kpm)
             new_states.append(s)
-        return (tr.ln_f(x) if 'ln_f' in tr else x), (new_states if return_state else None)
-
-    def forward(self, idx, targets=None):
-        """Causal LM: logits (B, T, vocab) and, given targets (B, T) (-100 = ignored), the cross-entropy loss."""
-        if self.config.family == 'bert':
-            raise ValueError("family='bert' is bidirectional: use model.encode(...) or model.classify(...)")
-        logits = self.lm_head(self.hidden_states(idx)[0])           # (B, T, vocab)
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1))
-        return logits, loss   # F.cross_entropy's ignore_index is -100
-
-    def encode(self, idx, attention_mask=None, token_type_ids=None):
-        """BERT: last hidden states (B, T, C). attention_mask (B, T): 1 = real token, 0 = padding."""
-        if self.config.family != 'bert':
-            raise ValueError(f"encode() is for family='bert' (this model is {self.config.family!r})")
-        return self.hidden_states(idx, token_type_ids=token_type_ids, attention_mask=attention_mask)[0]
-
-    def pool(self, hidden):
-        """BERT pooler: tanh(W h_[CLS])."""
-        return torch.tanh(self.pooler(hidden[:, 0]))
-
-    def classify(self, idx, attention_mask=None, token_type_ids=None, labels=None):
-        """BERT sequence classification: (logits (B, num_labels), loss or None); num_labels 1: regression (MSE)."""
-        if self.config.family != 'bert' or self.config.num_labels <= 0:
-            raise ValueError("classify() needs family='bert' and num_labels > 0 "
-                             f"(got family={self.config.family!r}, num_labels={self.config.num_labels})")
-        logits = self.classifier(self.transformer.drop(self.pool(self.encode(idx, attention_mask, token_type_ids))))
-        if labels is None:
-            return logits, None
-        if self.config.num_labels == 1:
-            return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
-        return logits, F.cross_entropy(logits.float(), labels.long())
+        return (x if isinstance(self, Bert) else tr.ln_f(x)), (new_states if return_state else None)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW over the trainable parameters. Weight decay pulls towards zero, so it goes only where zero is neutral:
         2-D weights of the nanoGPT-initialised projections and embeddings, LoRA factors. Not decayed: 1-D gains and
         biases, and what starts at the identity or another structured value (attention cores, short convolution)."""
-        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        decayed = lambda n, p: p.dim() >= 2 and '.core.' not in n and '.k_conv.' not in n
-        groups = [{'params': [p for n, p in named if decayed(n, p) == d], 'weight_decay': wd}
+        structured = {id(p) for m in self.modules() if isinstance(m, (Attention, ShortConv)) for p in m.parameters()}
+        named = [p for p in self.parameters() if p.requires_grad]
+        decayed = lambda p: p.dim() >= 2 and id(p) not in structured   # noqa: E731
+        groups = [{'params': [p for p in named if decayed(p) == d], 'weight_decay': wd}
                   for d, wd in ((True, weight_decay), (False, 0.0))]   # decayed, then not
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+
+    @classmethod
+    def from_pretrained(cls, path, **overrides):
+        """nanoGPT's name for `load(path, **overrides)[0]`."""
+        return load(path, **overrides)[0]
+
+class GPT(Transformer):
+    """A causal language model (family gpt2 or llama): the body and an LM head (tied to wte unless untied)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.family == 'bert':
+            raise UsageError("family='bert' is an encoder: build it with model.build(config) (a Bert)")
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self._init_weights()
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab) and, given targets (B, T) (-100 = ignored), the cross-entropy loss."""
+        logits = self.lm_head(self.hidden_states(idx)[0])           # (B, T, vocab)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1))
+        return logits, loss   # F.cross_entropy's ignore_index is -100
 
     def decode_state_nbytes(self, states):
         """Bytes held by the per-layer decoding states (KV caches or recurrent states)."""
@@ -409,11 +409,9 @@ class GPT(nn.Module):
         with each layer's state (a KV cache for softmax, constant-size for linear maps and hybrids); otherwise
         full forward passes (the reference; learned positions crop the context to block_size, as in nanoGPT)."""
         cfg, (B, T0) = self.config, idx.size()
-        if cfg.family == 'bert':
-            raise ValueError("generate() needs a causal family (gpt2 or llama), not 'bert'")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        learned_pos = 'wpe' in self.transformer
+        learned_pos = not self.rope
         if use_cache and learned_pos and T0 + max_new_tokens - 1 > cfg.block_size:
             raise UsageError(f"cached generation needs {T0 + max_new_tokens - 1} positions, more than block_size="
                              f"{cfg.block_size} (learned positions); generate fewer or use use_cache=False (crops)")
@@ -442,10 +440,41 @@ class GPT(nn.Module):
                 break
         return idx
 
-    @classmethod
-    def from_pretrained(cls, path, **overrides):
-        """nanoGPT's name for `load(path, **overrides)[0]`."""
-        return load(path, **overrides)[0]
+
+class Bert(Transformer):
+    """A bidirectional encoder (family bert): the body, a pooler, and a classifier when config.num_labels > 0."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.pooler = nn.Linear(config.n_embd, config.n_embd)
+        if config.num_labels > 0:
+            self.classifier = nn.Linear(config.n_embd, config.num_labels)
+        self._init_weights()
+
+    def forward(self, idx, attention_mask=None, token_type_ids=None):
+        """The last hidden states (B, T, C). attention_mask (B, T): 1 = real token, 0 = padding."""
+        return self.hidden_states(idx, token_type_ids=token_type_ids, attention_mask=attention_mask)[0]
+
+    encode = forward
+
+    def pool(self, hidden):
+        """BERT pooler: tanh(W h_[CLS])."""
+        return torch.tanh(self.pooler(hidden[:, 0]))
+
+    def classify(self, idx, attention_mask=None, token_type_ids=None, labels=None):
+        """Sequence classification: (logits (B, num_labels), loss or None); num_labels 1: regression (MSE)."""
+        if self.config.num_labels <= 0:
+            raise ValueError("classify() needs num_labels > 0 (load with num_labels=N)")
+        logits = self.classifier(self.transformer.drop(self.pool(self(idx, attention_mask, token_type_ids))))
+        if labels is None:
+            return logits, None
+        if self.config.num_labels == 1:
+            return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
+        return logits, F.cross_entropy(logits.float(), labels.long())
+
+def build(config):
+    """A new model for config: a Bert for family bert, else a GPT."""
+    return (Bert if config.family == 'bert' else GPT)(config)
 
 # ---- load and save: one loader for every format, one checkpoint format ------
 def load(path, **overrides):
@@ -464,7 +493,8 @@ def load(path, **overrides):
     return _load(str(path), overrides)
 
 def _load(path, overrides, as_base=False):
-    """load(); as_base: the base of a converted model, whose new tensors (_is_new) come from the conversion."""
+    """load(); as_base: the base of a converted model, whose new tensors (new_tensor_names) come from the
+    conversion."""
     ckpt = os.path.join(path, 'ckpt.pt') if os.path.isdir(path) else path
     if path.endswith('.gguf'):
         import gguf
@@ -489,11 +519,19 @@ def _load(path, overrides, as_base=False):
 def _new_model(kwargs, overrides, source):
     if overrides.get('family', kwargs['family']) != kwargs['family']:
         raise UsageError(f"family={overrides['family']!r} does not match {source} ({kwargs['family']!r})")
-    return GPT(GPTConfig(**{**kwargs, **overrides}))
+    return build(GPTConfig(**{**kwargs, **overrides}))
 
-def _is_new(name):
-    """Tensors a conversion adds: attention cores (feature maps, window factors) and LoRA factors."""
-    return '.core.' in name or name.endswith(('.lora_A', '.lora_B'))
+def new_tensor_names(model):
+    """What a conversion adds, found by type: (the state-dict names of every attention core's tensors (maps, window
+    factors) and LoRA factor, {layer: its core's name prefix})."""
+    cores, names, prefixes = {id(c): i for i, c in enumerate(model.attention_cores())}, set(), {}
+    for name, m in model.named_modules():
+        if id(m) in cores:
+            prefixes[cores[id(m)]] = name + '.'
+            names |= {f'{name}.{k}' for k in m.state_dict()}
+        elif isinstance(m, LoRALinear):
+            names |= {f'{name}.lora_A', f'{name}.lora_B'}
+    return names, prefixes
 
 def _own_tensors(model):
     """The state dict less a tied lm_head.weight (the same tensor as transformer.wte.weight)."""
@@ -503,8 +541,9 @@ def save(path, model, base=None, keep=(), **extra):
     """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path` atomically. base: the
     model this one was converted from (a path or hub name): then only the new tensors (attention cores, LoRA, and
     names starting with a prefix in `keep`, e.g. a new classifier) are written; load() rebuilds the rest."""
+    new = new_tensor_names(model)[0]
     sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model).items()
-          if base is None or _is_new(k) or any(k.startswith(p) for p in keep)}
+          if base is None or k in new or any(k.startswith(p) for p in keep)}
     tok = model.tokenizer.to_spec() if model.tokenizer is not None else None
     obj = dict(config=asdict(model.config), model=sd, tokenizer=tok, base=base and str(base), extra=extra)
     path = os.path.abspath(path)
@@ -523,19 +562,24 @@ def _load_ours(path, overrides, as_base):
         raise UsageError(f"{path} is not a checkpoint written by model.save")
     saved, base = GPTConfig(**obj['config']), obj.get('base')
     want = {**obj['config'], **overrides}
-    if 'attn' in overrides and 'layer_attn' not in overrides:
-        want['layer_attn'] = {}   # a new attention for the whole model
+    if 'attn' in overrides and 'layer_attn' not in overrides:   # the new attention on the converted layers, if some
+        converted = [i for i in range(saved.n_layer) if saved.layer_attn.get(i, saved.attn) != 'softmax']
+        partial = 0 < len(converted) < saved.n_layer                # layers left softmax stay softmax
+        want['attn'], want['layer_attn'] = (saved.attn, dict.fromkeys(converted, overrides['attn'])) if partial else \
+            (overrides['attn'], {})
     if base:   # a converted model: the base first, with the saved attention and adapters
         model, _ = _load(base, {k: v for k, v in want.items() if k != 'family'}, as_base=True)
     else:
-        model = GPT(GPTConfig(**want))
+        model = build(GPTConfig(**want))
     spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)), impl='chunked', sinks=0, cache=0)
     changed = [i for i in range(saved.n_layer) if spec(saved, i) != spec(model.config, i)]
     if changed and not as_base:
-        print(f"{path}: attention of layers {changed} changed to {model.config.attn}: their cores are re-initialised")
-    kept = lambda k: not ('.core.' in k and any(k.startswith(f'transformer.h.{i}.') for i in changed))
+        print(f"{path}: attention of layers {changed} changed to {overrides.get('attn')}: their cores are "
+              "re-initialised")
+    new, prefixes = new_tensor_names(model)
+    kept = lambda k: not any(k.startswith(prefixes[i]) for i in changed)   # noqa: E731
     tensors, own = {k: v for k, v in obj['model'].items() if kept(k)}, _own_tensors(model)
-    need = {k for k in own if kept(k) and (_is_new(k) if base else not (as_base and _is_new(k)))}
+    need = {k for k in own if kept(k) and ((k in new) if base else not (as_base and k in new))}
     _copy_checked(f"cannot load checkpoint {path}", own, tensors, {k: (k, lambda t: t) for k in own}, need)
     if obj.get('tokenizer'):
         model.tokenizer = tokenizer_lib.load_tokenizer(obj['tokenizer'])
@@ -673,7 +717,8 @@ def _load_hf_state(model, tensors, source, kmap=None, where=' in checkpoint'):
     prefix = {'gpt2': 'transformer.', 'bert': 'bert.'}.get(cfg.family, '')
     tensors = {k.removeprefix(prefix).replace('LayerNorm.gamma', 'LayerNorm.weight')
                .replace('LayerNorm.beta', 'LayerNorm.bias'): v for k, v in tensors.items()}
-    own = {k: t for k, t in _own_tensors(model).items() if not _is_new(k)}
+    new = new_tensor_names(model)[0]
+    own = {k: t for k, t in _own_tensors(model).items() if k not in new}
     absent_ok = {'classifier.weight', 'classifier.bias'} if 'classifier.weight' not in tensors else set()
     if cfg.family == 'bert' and not any(k.startswith('pooler.') for k in tensors):
         absent_ok |= {'pooler.weight', 'pooler.bias'}

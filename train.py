@@ -26,7 +26,6 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
-from types import SimpleNamespace
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import numpy as np
@@ -140,6 +139,44 @@ class TrainConfig:
         if self.device not in ('auto', 'cpu', 'cuda') and not self.device.startswith('cuda:'):
             raise ValueError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
 
+    def data_config(self):
+        return _subset(DataConfig, self)
+
+    def schedule(self):
+        return _subset(Schedule, self)
+
+@dataclass
+class DataConfig:
+    """What a Task reads (train.py's flags of the same names; convert.py builds its own)."""
+    task: str = 'ar'              # ar | mqar | text | glue
+    data: str = ''                # text: a file, a folder of .txt files or a `datasets` name; glue: a folder
+    val_data: str = ''            # text: the held-out text ('' = the last val_fraction of data)
+    glue_task: str = 'cola'
+    ar_vocab: int = 40
+    seq_len: int = 128
+    n_train: int = 10000
+    batch_size: int = 32
+    seed: int = 1337
+    val_fraction: float = 0.1
+
+@dataclass
+class Schedule:
+    """What fit reads: the optimizer steps, the learning rate (warmup, then cosine to lr * min_lr_ratio), the
+    evaluations and where the logs go."""
+    max_iters: int
+    lr: float
+    warmup_iters: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_accum: int = 1
+    eval_interval: int = 0        # evaluate (and save) every this many steps (0: at the end only) and at the end
+    out_dir: str = 'out'
+    seed: int = 0
+
+def _subset(cls, cfg):
+    """A cls made of cfg's attributes of the same names (its defaults for the others)."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
+
 # ---- associative recall (Hedgehog App. B.1; zoology's multi-query variant) ----
 
 def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label_repeats=False):
@@ -204,8 +241,10 @@ def load_text(path_or_name, split='train'):
     return '\n'.join(ds['text' if 'text' in ds.column_names else ds.column_names[0]])
 
 def text_splits(cfg, tok):
-    """(train_ids, val_ids) of cfg.data: a local file or folder's last cfg.val_fraction held out, or a `datasets`
-    name's own validation split."""
+    """(train_ids, val_ids) of cfg.data: all of it and cfg.val_data; or a local file or folder's last
+    cfg.val_fraction held out, or a `datasets` name's own validation split."""
+    if cfg.val_data:
+        return tok.encode_array(load_text(cfg.data)), tok.encode_array(load_text(cfg.val_data, 'validation'))
     if not os.path.exists(cfg.data):
         return tuple(tok.encode_array(load_text(cfg.data, split)) for split in ('train', 'validation'))
     ids = tok.encode_array(load_text(cfg.data))
@@ -370,7 +409,7 @@ class Classifier(nn.Module):
     def __init__(self, model, num_labels):
         super().__init__()
         self.model, self.num_labels = model, num_labels
-        self.head = None if model.config.family == 'bert' else nn.Linear(model.config.n_embd, num_labels)
+        self.head = None if isinstance(model, M.Bert) else nn.Linear(model.config.n_embd, num_labels)
         if self.head is not None:
             nn.init.normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
@@ -421,27 +460,37 @@ def get_lr(cfg, it):
     ratio = min(1.0, (it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - min_lr)
 
-def setup(cfg):
-    """This process's runtime from cfg.device, cfg.dtype and torchrun's RANK / LOCAL_RANK / WORLD_SIZE (the
-    process group starts here): ddp, rank, world, master, device, dtype (a name), autocast (CUDA bf16/fp16)."""
+@dataclass
+class Runtime:
+    """This process's place in a run (setup makes it)."""
+    ddp: bool            # launched by torchrun
+    rank: int
+    world: int           # processes
+    master: bool         # rank 0: logs, evaluates, saves
+    device: str
+    dtype: str           # float32 | bfloat16 | float16
+    autocast: object     # torch.autocast for CUDA bf16/fp16, else a null context
+
+def setup(device='auto', dtype='auto', grad_accum=1):
+    """This process's Runtime from the flags and torchrun's RANK / LOCAL_RANK / WORLD_SIZE (the process group
+    starts here)."""
     ddp, rank, world = 'RANK' in os.environ, int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-    device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    asked, device = device, device if device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
     cuda = device.startswith('cuda')
     if cuda and not torch.cuda.is_available():
-        raise UsageError(f"--device {cfg.device} but CUDA is not available (use --device cpu or auto)")
-    if cfg.grad_accum % world:
-        raise UsageError(f"--grad_accum {cfg.grad_accum} must be a multiple of the {world} processes")
+        raise UsageError(f"--device {asked} but CUDA is not available (use --device cpu or auto)")
+    if grad_accum % world:
+        raise UsageError(f"--grad_accum {grad_accum} must be a multiple of the {world} processes")
     if ddp and not dist.is_initialized():
         dist.init_process_group(backend='nccl' if cuda else 'gloo')
     if ddp and cuda:   # one GPU per process
         torch.cuda.set_device(device := f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
-    dtype = cfg.dtype if cfg.dtype != 'auto' else 'float32' if not cuda else \
+    dtype = dtype if dtype != 'auto' else 'float32' if not cuda else \
         'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast('cuda', getattr(torch, dtype)) if cuda and dtype != 'float32' else \
         contextlib.nullcontext()
-    return SimpleNamespace(ddp=ddp, rank=rank, world=world, master=rank == 0, device=device, dtype=dtype,
-                           autocast=autocast)
+    return Runtime(ddp, rank, world, rank == 0, device, dtype, autocast)
 
 def _start(params_or_optimizer, cfg, rt, resume):
     """(optimizer, grad scaler, data-stream generator, step): fresh, or continued from a checkpoint's state."""
@@ -506,13 +555,13 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
     loss_fn(net, batch) -> scalar loss; it calls `net` (module or its DDP wrapper), so that DDP syncs gradients.
     next_batch(gen) -> a micro-batch of CPU tensors (the first: the tokens counted), drawn with the generator `gen`
       only (seeded, checkpointed): every process draws every micro-batch and takes its share (one data stream).
-    cfg: max_iters, grad_accum, lr, warmup_iters, min_lr_ratio, weight_decay, eval_interval, out_dir, seed.
+    cfg: a Schedule (TrainConfig.schedule()).
     evaluate() -> {name: float}: on the master, in eval mode, every cfg.eval_interval steps and at the end.
     save(state) -> path (None: no checkpoints): after each evaluation, writes the model and `state` (optimizer,
       scaler, step, data stream, RNGs); given back as `resume` it continues exactly (you load the weights).
     log_name: out_dir's per-step {'iter', 'loss', 'lr'} rows. A non-finite loss, gradient norm or evaluation
       raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
-    rt = rt or setup(cfg)
+    rt = rt or setup(grad_accum=cfg.grad_accum)
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
     net = nn.parallel.DistributedDataParallel(module) if rt.ddp else module
@@ -542,7 +591,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
                           f"{tokens / max(dt, 1e-9) / 1e3:.1f}k tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}",
                           flush=True)
                     clock = time.time(), step
-            if rt.master and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
+            if rt.master and (cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_iters):
                 log.flush()
                 module.eval()
                 est = evaluate() if evaluate else {}
@@ -561,8 +610,8 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
 # ---- the driver: a task's data and model, fit, the final metrics -------------
 
 class Task:
-    """A run's data: 'train' and 'val' splits of examples (text: window offsets into the token ids), batches
-    of them as CPU tensors -- (x, y) for AR and text, (idx, mask, token types, labels) for GLUE."""
+    """A run's data (a DataConfig): 'train' and 'val' splits of examples (text: window offsets into the token ids),
+    batches of them as CPU tensors -- (x, y) for AR and text, (idx, mask, token types, labels) for GLUE."""
 
     def __init__(self, cfg, tok=None, verbose=True):
         self.cfg, self.tokenizer, self.num_labels = cfg, tok and tok.name, 0
@@ -656,7 +705,7 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
     """A GPT from scratch: cfg's family (glue: bert unless --family is given), size, init and attention."""
     family = 'bert' if cfg.task == 'glue' and 'family' not in explicit else cfg.family
     init_std, emb_init_std = INIT_STDS[cfg.init]
-    return M.GPT(M.GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
+    return M.build(M.GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
                              n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, init_std=init_std,
                              emb_init_std=emb_init_std, num_labels=num_labels if family == 'bert' else 0,
                              tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv, attn=cfg.attn))
@@ -678,7 +727,7 @@ def _model_and_task(cfg, explicit, verbose):
         glue = {'num_labels': glue_num_labels(cfg.glue_task)} if cfg.task == 'glue' else {}
         model, _ = load_init(cfg.init_from, **over, **glue)
     tok = get_tokenizer(cfg.tokenizer, model, verbose) if cfg.task in ('text', 'glue') else None
-    task = Task(cfg, tok, verbose)
+    task = Task(cfg.data_config(), tok, verbose)
     if model is None:
         torch.manual_seed(cfg.seed)   # the same initial weights on every process
         model = build_model(cfg, task.vocab_size, task.num_labels, explicit)
@@ -687,7 +736,7 @@ def _model_and_task(cfg, explicit, verbose):
 
 def train(cfg, explicit=frozenset()):
     """One training run. -> the summary (also out_dir/summary.json) on the master process, None elsewhere."""
-    rt = setup(cfg)
+    rt = setup(cfg.device, cfg.dtype, cfg.grad_accum)
     try:
         model, task, state = _model_and_task(cfg, set(explicit), rt.master)
         module = (Classifier(model, task.num_labels) if cfg.task == 'glue' else model).to(rt.device)
@@ -708,8 +757,8 @@ def train(cfg, explicit=frozenset()):
         def save(st):
             M.save(ckpt, model, **st, train_config=asdict(cfg), cls_head=head.state_dict() if head else {})
             return ckpt
-        run = fit(module, opt, task_loss, task.next_batch, cfg, rt, lambda: estimate_loss(module, task, rt),
-                  save if cfg.save else None, state)
+        run = fit(module, opt, task_loss, task.next_batch, cfg.schedule(), rt,
+                  lambda: estimate_loss(module, task, rt), save if cfg.save else None, state)
         if rt.ddp:
             dist.barrier()
         if not rt.master:

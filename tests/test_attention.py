@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import attention as A
+import hybrids as Hy
 import kernels as K
 
 MAPS = list(A.FEATURE_MAPS)
@@ -23,7 +24,7 @@ def rel_err(a, b):
 
 def core_of(name, head_dim=D, n_heads=H, causal=True, chunk_size=64, options=None, **fields):
     """An Attention core from the spec's parts (options: the map's, as a dict)."""
-    core = A.Attention(A.AttnSpec(name, options=options or {}, **fields), head_dim, n_heads, causal=causal)
+    core = Hy.Attention(A.AttnSpec(name, options=options or {}, **fields), head_dim, n_heads, causal=causal)
     core.chunk_size = chunk_size
     return core
 
@@ -108,7 +109,7 @@ def test_causality(name, kw):
 def test_lln_causal_in_training_mode():
     """LLN's statistics are buffers updated after the forward: training-mode outputs stay causal."""
     q, k, v = qkv(T=21, scale=2.0)
-    core = A.Attention('lln', D, H).train()
+    core = Hy.Attention('lln', D, H).train()
     q2, k2 = q.clone(), k.clone()
     q2[:, :, 13:] *= 5
     k2[:, :, 13:] *= 5
@@ -161,7 +162,7 @@ def test_performer_redraw():
 
 def test_cosformer_independent_of_current_length():
     q, k, v = qkv(T=30)
-    core = A.Attention('cosformer', D, H, max_len=64)
+    core = Hy.Attention('cosformer', D, H, max_len=64)
     y_long = core(q, k, v)
     y_short = core(q[:, :, :17], k[:, :, :17], v[:, :, :17])
     assert torch.allclose(y_long[:, :, :17], y_short, atol=1e-6)
@@ -203,7 +204,7 @@ def test_hedgehog_identity_init_is_spiky(softmax_dim):
 @pytest.mark.parametrize("name", ['t2r', 'hedgehog', 'lolcats', 'dof'])
 def test_gradients_reach_trainable_maps(name):
     q, k, v = qkv(T=12)
-    core = A.Attention(f'{name}:window=4' if name == 'hedgehog' else name, D, H)
+    core = Hy.Attention(f'{name}:window=4' if name == 'hedgehog' else name, D, H)
     core(q, k, v).square().sum().backward()
     params = dict(core.named_parameters())
     assert params, name
@@ -223,7 +224,7 @@ def test_half_precision_autocast(spec, dtype):
     within 1e-4 of float64, parallel and decode; bf16/fp16 inputs: |y - y64| <= 2 eps(dtype) max|y64|, y64 the
     float64 output on the same rounded inputs, and y in the inputs' dtype."""
     q, k, v = qkv(T=40, D=16, scale=2.0)
-    core = A.Attention(spec, 16, H).eval()
+    core = Hy.Attention(spec, 16, H).eval()
     core.chunk_size = 16
     ref = core.double()
     y64 = {dt: ref(*(x.to(dt).double() for x in (q, k, v))) for dt in (torch.float32, dtype)}
@@ -278,14 +279,14 @@ def naive_window_hybrid(q, k, v, phi_q, phi_k, w, gamma, causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_window_hybrid_matches_equation(causal):
     q, k, v = qkv(T=13)
-    core = A.Attention('hedgehog:window=4', D, H, causal=causal)
+    core = Hy.Attention('hedgehog:window=4', D, H, causal=causal)
     with torch.no_grad():
         core.window_factor.copy_(torch.tensor([-1.0, 0.0, 2.0]))
     phi_q, phi_k = core.fmap(q, k)
     ref = naive_window_hybrid(q, k, v, phi_q, phi_k, 4, torch.sigmoid(core.window_factor.detach()), causal)
     assert rel_err(core(q, k, v).double(), ref) < 1e-5
     assert rel_err((core.weights(q, k) @ v).double(), ref) < 1e-5
-    assert torch.allclose(A.Attention('hedgehog:window=4', D, H).factor(), torch.full((H,), 0.1))  # official init
+    assert torch.allclose(Hy.Attention('hedgehog:window=4', D, H).factor(), torch.full((H,), 0.1))  # official init
 
 
 @pytest.mark.parametrize("name,kw", [('softmax', {})] + [(n, kw) for n in ('hedgehog', 'cosformer')
@@ -300,7 +301,7 @@ def test_decode_state_matches_parallel(name, kw):
     for t in range(6, 17):
         yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
         outs.append(yt)
-        sizes.append(A.state_nbytes(st))
+        sizes.append(Hy.state_nbytes(st))
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
     if name == 'softmax':
         assert sizes[-1] > sizes[0]  # the KV cache grows
@@ -314,7 +315,7 @@ def test_decode_state_matches_parallel(name, kw):
 
 def test_diag_hybrid_is_average_of_block_softmax_and_linear():
     q, k, v = qkv(T=13)
-    core = A.Attention('lln:diag_block=4', D, H, causal=True).eval()
+    core = Hy.Attention('lln:diag_block=4', D, H, causal=True).eval()
     phi_q, phi_k = core.fmap(q, k)
     lin = A.linear_attention(phi_q, phi_k, v, impl='quadratic')
     blk = torch.zeros_like(v)
@@ -338,12 +339,9 @@ def test_key_padding_mask_bidirectional():
             assert rel_err(y[:1, :, :7], y_cut) < 1e-5, (name, kw)
 
 
-def test_softmax_attention_matches_weights_and_teacher_mode():
+def test_softmax_attention_matches_weights():
     q, k, v = qkv(T=9)
     assert rel_err(A.softmax_attention(q, k, v), A.softmax_weights(q, k) @ v) < 1e-5
-    core = A.Attention('elu', D, H)
-    core.teacher = True
-    assert rel_err(core(q, k, v), A.softmax_attention(q, k, v)) < 1e-6
 
 
 def test_metrics():
@@ -387,7 +385,7 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="choose one of: elu, relu"):
         A.make_feature_map('nope', D, H)
     with pytest.raises(ValueError, match="choose one of: softmax, elu"):
-        A.Attention('nope', D, H)
+        Hy.Attention('nope', D, H)
     with pytest.raises(ValueError, match="quadratic, chunked, recurrent"):
         A.linear_attention(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), impl='fast')
     q, k, v = qkv(T=5)
@@ -514,7 +512,7 @@ def test_window_forms_decode_matches_parallel(spec, prefill):
     q, k = big_qk(T=23, sink=True)
     q, k = q.float(), k.float()
     v = torch.randn(1, 2, 23, 16)
-    core = A.Attention(spec, 16, 2).eval()
+    core = Hy.Attention(spec, 16, 2).eval()
     if core.fmap is not None:
         with torch.no_grad():
             core.window_factor.copy_(torch.tensor([0.7, -0.3]))
@@ -524,7 +522,7 @@ def test_window_forms_decode_matches_parallel(spec, prefill):
     for t in range(prefill, 23):
         yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
         outs.append(yt)
-        sizes.append(A.state_nbytes(st))
+        sizes.append(Hy.state_nbytes(st))
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
     assert len(set(sizes[-5:])) == 1  # constant size once the sinks are filled
 
@@ -556,18 +554,18 @@ def test_sinks_spec_errors():
 
 def test_window_mix_calibration_sets_teacher_window_mass():
     q, k, v = qkv(T=30, scale=2.0)
-    core = A.Attention('hedgehog:window=6:combine=mix', D, H)
+    core = Hy.Attention('hedgehog:window=6:combine=mix', D, H)
     assert torch.allclose(core.factor(), torch.full((H,), 0.5))  # uncalibrated: s = 1/2
     core.calibrate(q, k)
     W = A.softmax_weights(q, k)
     i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
     mass = (W * ((i - j < 6) & (i >= j))).sum(-1)[..., 6:].mean(dim=(0, 2))
     assert torch.allclose(core.factor(), mass, atol=1e-5)
-    joint = A.Attention('hedgehog:window=6', D, H)
+    joint = Hy.Attention('hedgehog:window=6', D, H)
     joint.calibrate(q, k)  # the joint form's gamma is not data-initialised
     assert torch.allclose(joint.factor(), torch.full((H,), 0.1))
     with pytest.raises(ValueError, match="joint, mix"):
-        A.Attention('hedgehog:window=6:combine=sum', D, H)
+        Hy.Attention('hedgehog:window=6:combine=sum', D, H)
 
 
 def test_window_mix_calibration_counts_sinks_and_padding():
@@ -575,7 +573,7 @@ def test_window_mix_calibration_counts_sinks_and_padding():
     see a key of neither); with a key padding mask (GLUE's sentences) each sentence is calibrated on its own real
     tokens, T x T at a time, never one N x N matrix of every sentence joined."""
     q, k, _ = qkv(T=30, scale=2.0)
-    core = A.Attention('hedgehog:window=6:sinks=3:combine=mix', D, H)
+    core = Hy.Attention('hedgehog:window=6:sinks=3:combine=mix', D, H)
     core.calibrate(q, k)
     W = A.softmax_weights(q, k)
     i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
@@ -585,7 +583,7 @@ def test_window_mix_calibration_counts_sinks_and_padding():
     mask = torch.arange(30)[None, :] < torch.tensor(lengths)[:, None]
     qp, kp = qkv(T=30, scale=2.0, seed=1)[:2]
     qp, kp = qp[:1].repeat(3, 1, 1, 1), kp[:1].repeat(3, 1, 1, 1)
-    bi = A.Attention('hedgehog:window=4:combine=mix', D, H, causal=False)
+    bi = Hy.Attention('hedgehog:window=4:combine=mix', D, H, causal=False)
     bi.calibrate(qp, kp, mask)
     total, rows = 0, 0
     for n in lengths:   # each sentence alone, unpadded
@@ -726,9 +724,10 @@ def test_attn_spec_fields_aliases_and_defaults():
     assert A.AttnSpec.parse('hedgehog:f=32').options == (('feature_dim', 32),)
     assert str(A.AttnSpec()) == 'softmax' and str(A.AttnSpec('elu', impl='chunked')) == 'elu'
     assert dataclasses.replace(spec, impl='recurrent').impl == 'recurrent'
-    core = A.Attention('lolcats:window=4:activation=elu:f=16', D, H)
-    assert (core.attn, core.window, core.window_combine, core.fmap.activation, core.fmap.feature_dim) == \
-        ('lolcats', 4, 'joint', 'elu', 16)
+    core = Hy.Attention('lolcats:window=4:activation=elu:f=16', D, H)
+    assert (core.spec.name, core.window, core.spec.combine, core.mode, core.fmap.activation, core.fmap.feature_dim) == \
+        ('lolcats', 4, 'joint', 'window', 'elu', 16)
+    assert A.AttnSpec.parse('lolcats:window=4:cache=2:cache_block=8').cache_block == 8
 
 
 @pytest.mark.parametrize("text,msg", [
@@ -786,7 +785,7 @@ def test_gqa_hybrid_state_keeps_kv_heads(spec):
     H_, G = 4, 2  # 4 query heads, 2 key/value heads
     q = torch.randn(2, H_, 19, D, generator=g)
     k, v = (torch.randn(2, H_ // G, 19, D, generator=g).repeat_interleave(G, 1) for _ in range(2))
-    core = A.Attention(spec, D, H_, kv_groups=G).eval()  # eval: LLN's statistics stay fixed
+    core = Hy.Attention(spec, D, H_, kv_groups=G).eval()  # eval: LLN's statistics stay fixed
     with torch.no_grad():
         if core.window:
             core.window_factor.copy_(torch.tensor([0.5, -0.5, 1.0, 0.0]))
@@ -796,11 +795,14 @@ def test_gqa_hybrid_state_keeps_kv_heads(spec):
     for t in range(7, 19):
         yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
         outs.append(yt)
-        buffered = st['k'].shape[2]
-        assert st['k'].shape == st['v'].shape == (2, H_ // G, buffered, D)
-        assert st['S'].shape == (2, H_, core.fmap.feature_dim, D) and st['z'].shape == (2, H_, core.fmap.feature_dim)
+        pairs = st.buffer if core.window else st.block   # the window's buffer, or LLN+Diag's partial block
+        buffered, F_ = len(pairs), core.fmap.feature_dim
+        assert pairs.k.shape == pairs.v.shape == (2, H_ // G, buffered, D)
+        assert st.linear.S.shape == (2, H_, F_, D) and st.linear.z.shape == (2, H_, F_)
         if core.window:
-            assert buffered == core.window - 1 and st['phi_k'].shape == (2, H_, buffered, core.fmap.feature_dim)
+            assert buffered == core.window - 1 and st.buffer.phi.shape == (2, H_, buffered, F_)
+        else:
+            assert buffered == (t + 1) % core.spec.diag_block and st.linear.n == t + 1
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
 
 
@@ -808,19 +810,56 @@ def test_softmax_kv_cache_grows_by_doubling():
     """Issue 22: decoding appends into a preallocated KV cache that doubles when full, instead of copying the
     whole cache at every token (torch.cat); decode == parallel, and state_nbytes counts the capacity held."""
     q, k, v = qkv(T=40)
-    core = A.Attention('softmax', D, H)
+    core = Hy.Attention('softmax', D, H)
     y = core(q, k, v)
     _, st = core(q[:, :, :4], k[:, :, :4], v[:, :, :4], return_state=True)
     outs, moves = [y[:, :, :4]], 0
     for t in range(4, 40):
-        ptr = st['k'].data_ptr()
+        ptr = st.k.data_ptr()
         yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
         outs.append(yt)
-        moves += st['k'].data_ptr() != ptr
-        assert st['k'].shape[2] >= t + 1 and st['offset'] == t + 1
+        moves += st.k.data_ptr() != ptr
+        assert st.k.shape[2] >= t + 1 and st.n == t + 1
     assert moves == 4  # capacity 4 -> 8 -> 16 -> 32 -> 64
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
-    assert A.state_nbytes(st) == 2 * B * H * 64 * D * 4  # k and v, the whole capacity, float32
+    assert Hy.state_nbytes(st) == 2 * B * H * 64 * D * 4  # k and v, the whole capacity, float32
     _, st = core(q[:, :, :30], k[:, :, :30], v[:, :, :30], return_state=True)
     y2, st = core(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], state=st, return_state=True)  # 10 tokens at once
-    assert rel_err(y2, y[:, :, 30:]) < 1e-5 and st['k'].shape[2] == 60
+    assert rel_err(y2, y[:, :, 30:]) < 1e-5 and st.k.shape[2] == 60
+
+
+@pytest.mark.parametrize('spec', ['softmax', 'elu', 'hedgehog:window=4:sinks=1', 'hedgehog:window=4:cache=2:cache_block=3',
+                                  'lln:diag_block=5', 'softmax:window=4'])
+def test_two_branches_from_one_state(spec):
+    """Issue 35: a state stays valid after a decode from it: two continuations of one prefix (branches, beam search)
+    each equal their own full forward pass, whatever order they run in."""
+    q, k, v = qkv(T=14)
+    core = Hy.Attention(spec, D, H).eval()
+    alt = [torch.randn_like(x) for x in (q, k, v)]   # branch b: other tokens after the first 10
+    want_a = core(q, k, v)[:, :, 10:]
+    want_b = core(*(torch.cat([x[:, :, :10], a[:, :, 10:]], 2) for x, a in zip((q, k, v), alt)))[:, :, 10:]
+    _, st = core(q[:, :, :9], k[:, :, :9], v[:, :, :9], return_state=True)
+    _, st = core(q[:, :, 9:10], k[:, :, 9:10], v[:, :, 9:10], state=st, return_state=True)   # (a KV cache with room)
+    st_a, st_b, ya, yb = st, st, [], []
+    for t in range(10, 14):
+        y, st_a = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st_a, return_state=True)
+        ya.append(y)
+        y, st_b = core(*(a[:, :, t:t + 1] for a in alt), state=st_b, return_state=True)
+        yb.append(y)
+    assert rel_err(torch.cat(ya, 2), want_a) < 1e-5 and rel_err(torch.cat(yb, 2), want_b) < 1e-5
+
+
+def test_chunked_on_cuda_without_triton_runs_pytorch(monkeypatch):
+    """Issue 35: impl='chunked' on CUDA tensors where triton is missing (PyTorch's Windows CUDA wheels) runs the
+    PyTorch chunked path it names, instead of routing to the kernel and failing. CUDA tensors are faked here: a
+    subclass that says is_cuda."""
+    class FakeCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+    monkeypatch.setattr(K, 'HAS_TRITON', False)
+    q, k, v = qkv(T=21)
+    phi_q, phi_k = A.FEATURE_MAPS['elu'](D, H)(q, k)
+    want = A.linear_attention(phi_q, phi_k, v, impl='quadratic')
+    got = A.linear_attention(*(x.as_subclass(FakeCuda) for x in (phi_q, phi_k, v)), impl='chunked')
+    assert v.as_subclass(FakeCuda).is_cuda and rel_err(got.as_subclass(torch.Tensor), want) < 1e-5
+    with pytest.raises(A.UsageError, match="impl='triton' needs"):   # asked for by name: a clear error
+        A.linear_attention(*(x.as_subclass(FakeCuda) for x in (phi_q, phi_k, v)), impl='triton')

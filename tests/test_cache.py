@@ -1,72 +1,20 @@
-"""LoLA's sparse cache in the window hybrid (spec cache=N): a naive token-by-token reference of the same schedule
-in float64, which the parallel form and decoding both equal; the self-recall error against float64; the needle
+"""LoLA's sparse cache in the window hybrid (spec cache=N): hybrids.lola_reference, the schedule token by token in
+float64, which the parallel form and decoding both equal; the self-recall error against float64; the needle
 kept; causality; the state's size; loading a conversion with a cache."""
-import copy
 import math
 
 import pytest
 import torch
 
 import attention as A
-
-
-def naive_lola(core, q, k, v):
-    """The cache written out token by token from sets of indices, float64. For query t: the sinks (j < sinks, j <= t),
-    the cache G and the tokens p..t in the softmax part, the folded ones in the linear part (the exact kernel).
-    When the block p..p+C-1 has left the window (t - window >= p + C - 1), G and the block compete: per KV head, the
-    mean over its query heads of ||S^T phi(k_j) / z^T phi(k_j) - v_j||^2 (S, z: sums over the folded pairs; 0 recalled
-    where z^T phi(k_j) = 0); the `cache` largest stay, the rest are folded, and p moves on by C."""
-    spec, g, C = core.spec, core.kv_groups, core.chunk_size
-    w, ns, N = spec.window, spec.sinks, spec.cache
-    fm = copy.deepcopy(core.fmap).double()
-    q, k, v = q.double(), k.double(), v.double()
-    pq, pk = fm.phi(q, 'q', 0), fm.phi(k, 'k', 0)
-    B, H, T, D = q.shape
-    f = core.factor().detach().double()
-    G = [[[] for _ in range(H // g)] for _ in range(B)]
-    folded = [[[] for _ in range(H // g)] for _ in range(B)]
-    y, p = torch.zeros_like(v), ns
-    for t in range(T):
-        if t - w >= p + C - 1:   # the pending block has left the window: the update
-            for b in range(B):
-                for hk in range(H // g):
-                    cand = G[b][hk] + list(range(p, p + C))
-                    sre, zero = torch.zeros(len(cand)).double(), torch.zeros(pk.shape[-1], dtype=torch.float64)
-                    for h in range(hk * g, hk * g + g):
-                        S = sum((torch.outer(pk[b, h, j], v[b, h, j]) for j in folded[b][hk]), zero[:, None] * 0)
-                        z = sum((pk[b, h, j] for j in folded[b][hk]), zero)
-                        for i, j in enumerate(cand):
-                            den = z @ pk[b, h, j]
-                            recall = S.T @ pk[b, h, j] / den if den > 0 else torch.zeros(D, dtype=torch.float64)
-                            sre[i] += ((recall - v[b, h, j]) ** 2).sum() / g
-                    keep = set(sre.topk(min(N, len(cand))).indices.tolist())
-                    G[b][hk] = sorted(cand[i] for i in keep)
-                    folded[b][hk] += [cand[i] for i in range(len(cand)) if i not in keep]
-            p += C
-        for b in range(B):
-            for h in range(H):
-                soft = list(range(min(ns, t + 1))) + G[b][h // g] + list(range(max(p, ns), t + 1))
-                lin = folded[b][h // g]
-                s = torch.stack([q[b, h, t] @ k[b, h, j] for j in soft]) / math.sqrt(D)
-                a = torch.exp(s - s.max())
-                kl = torch.stack([pq[b, h, t] @ pk[b, h, j] for j in lin]) if lin else None
-                y_soft = (a[:, None] * v[b, h, soft]).sum(0) / a.sum()
-                if not lin:
-                    y[b, h, t] = y_soft
-                elif spec.combine == 'joint':   # one normalisation: gamma exp(s - m) and phi(q).phi(k)
-                    num = f[h] * (a[:, None] * v[b, h, soft]).sum(0) + (kl[:, None] * v[b, h, lin]).sum(0)
-                    y[b, h, t] = num / (f[h] * a.sum() + kl.sum())
-                else:
-                    y[b, h, t] = f[h] * y_soft + (1 - f[h]) * (kl[:, None] * v[b, h, lin]).sum(0) / kl.sum()
-    return y
+import hybrids as Hy
 
 
 def make(spec, T=41, H=4, g=2, D=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(2, H, T, D, generator=gen)
     k, v = (torch.randn(2, H // g, T, D, generator=gen).repeat_interleave(g, 1) for _ in range(2))
-    core = A.Attention(spec, D, H, kv_groups=g).eval()
-    core.chunk_size = 4
+    core = Hy.Attention(spec + ':cache_block=4', D, H, kv_groups=g).eval()
     with torch.no_grad():
         core.window_factor.copy_(torch.linspace(-1.0, 1.0, H))
         for p in core.fmap.parameters():
@@ -78,7 +26,7 @@ def make(spec, T=41, H=4, g=2, D=8, seed=0):
                                   'lolcats:window=3:sinks=1:cache=6', 'exp:window=4:cache=2'])
 def test_parallel_and_decode_equal_the_naive_schedule(spec):
     core, q, k, v = make(spec)
-    ref = naive_lola(core, q, k, v)
+    ref = Hy.lola_reference(core, q, k, v)
     y = core(q, k, v)
     assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
     for prefill in (1, 9, 22):   # before, at and after updates
@@ -101,7 +49,10 @@ def test_self_recall_error_against_float64():
     ex = phi * c.exp()[..., None]   # exact features
     S, z = ex[:, :, :2].transpose(-2, -1) @ v[:, :, :2].expand(1, 2, 2, 4), ex[:, :, :2].sum(2)   # pairs 0, 1 folded
     m = torch.zeros(1, 2, dtype=torch.float64)
-    keep, S2, z2, m2 = A.lola_select(S, z, m, k[:, :, 2:], v[:, :, 2:], phi[:, :, 2:], c[:, :, 2:], 1, 2)
+    cand = Hy.Pairs(k[:, :, 2:], v[:, :, 2:], phi[:, :, 2:], c[:, :, 2:])
+    keep, st = Hy.lola_select(Hy.LinearState(S, z, m, 2), cand, 1, 2)
+    S2, z2, m2 = st.S, st.z, st.m
+    assert st.n == 4   # two folded before, two now
     sre = [sum(((S[0, h].T @ phi[0, h, j] / (z[0, h] @ phi[0, h, j]) - v[0, 0, j]) ** 2).sum() for h in (0, 1)) / 2
            for j in (2, 3, 4)]
     worst = 2 + max(range(3), key=lambda i: sre[i])
@@ -126,13 +77,12 @@ def test_the_cache_keeps_the_needle():
     q = k.clone()
     q[0, 0, -1] = 4 * e[3]
     out = {}
-    for spec in ('hedgehog:window=4:combine=mix', 'hedgehog:window=4:combine=mix:cache=2'):
-        core = A.Attention(spec, D, 1).eval()
-        core.chunk_size = 8
+    for spec in ('hedgehog:window=4:combine=mix', 'hedgehog:window=4:combine=mix:cache=2:cache_block=8'):
+        core = Hy.Attention(spec, D, 1).eval()
         with torch.no_grad():
             core.window_factor.fill_(math.log(0.95 / 0.05))
         out[spec], st = core(q, k, v, return_state=True)
-    assert any(torch.equal(x, 4 * e[3]) for x in st['gk'][0, 0])   # in the cache
+    assert any(torch.equal(x, 4 * e[3]) for x in st.cache.k[0, 0])   # in the cache
     assert out[spec][0, 0, -1, 3] > 0.8 and out['hedgehog:window=4:combine=mix'][0, 0, -1, 3] < 0.2
 
 
@@ -147,14 +97,35 @@ def test_cache_is_causal_and_its_state_periodic():
     sizes = []
     for t in range(2, 60):
         _, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
-        sizes.append(A.state_nbytes(st))
-    C = core.chunk_size   # once the cache is full, the state repeats every C tokens: it does not grow with T
+        sizes.append(Hy.state_nbytes(st))
+    C = core.spec.cache_block   # once the cache is full, the state repeats every C tokens: it does not grow with T
     assert sizes[-C:] == sizes[-2 * C:-C] and max(sizes) == max(sizes[-C:])
 
 
 def test_cache_errors():
     with pytest.raises(A.UsageError, match='causal models only'):
-        A.Attention('hedgehog:window=4:cache=2', 8, 2, causal=False)
+        Hy.Attention('hedgehog:window=4:cache=2', 8, 2, causal=False)
     for bad in ('hedgehog:cache=2', 'softmax:window=4:cache=2', 'hedgehog:window=4:cache=-1'):
         with pytest.raises(A.UsageError, match='cache'):
             A.AttnSpec.parse(bad)
+
+
+def test_decode_period_is_the_specs_not_the_chunk_size():
+    """Issue 35: LoLA's update period is the spec's cache_block (saved with the checkpoint), not the linear paths'
+    chunk_size (a speed setting): changing chunk_size leaves a cache core's outputs as they are."""
+    core, q, k, v = make('hedgehog:window=5:cache=3', T=41)
+    y = core(q, k, v)
+    core.chunk_size = 7
+    assert torch.allclose(core(q, k, v), y, atol=1e-6)
+    assert str(core.spec) == 'hedgehog:window=5:cache=3:cache_block=4'
+
+
+def test_weights_with_a_cache_at_any_length():
+    """Issue 35: Attention.weights (values: the T x T identity) of a cache core for T != head_dim; each row is the
+    core's output for one-hot values, so the rows equal lola_reference's."""
+    core, q, k, v = make('hedgehog:window=4:sinks=1:cache=2', T=16)
+    w = core.weights(q, k)
+    assert w.shape == (2, 4, 16, 16)
+    eye = torch.eye(16).expand(2, 4, 16, 16)
+    assert torch.allclose(w.double(), Hy.lola_reference(core, q, k, eye), atol=1e-6)
+    assert torch.allclose(w.sum(-1), torch.ones(2, 4, 16), atol=1e-5)

@@ -14,6 +14,7 @@ from scipy import stats
 from sklearn import metrics
 
 import attention
+import hybrids
 import eval as ev
 import model as M
 import tokenizer
@@ -228,7 +229,7 @@ def test_glue_report(tmp_path, family):
     torch.manual_seed(0)
     cfg = M.GPTConfig(family=family, vocab_size=_vocab(), block_size=32, n_layer=1, n_head=2, n_embd=32,
                       num_labels=2 if family == 'bert' else 0, attn='elu')
-    m = M.GPT(cfg).eval()
+    m = M.build(cfg).eval()
     extra = {'train_config': {'task': 'glue', 'glue_task': 'cola', 'seq_len': 32, 'init_from': 'scratch'}}
     if family != 'bert':
         head = train.Classifier(m, 2).head
@@ -322,7 +323,7 @@ def test_fidelity_teacher_qk_and_map_options(tmp_path):
     idx = torch.randint(0, 200, (2, 24))
     want = ev.capture_qk(soft, idx)
     got_t, got_m = ev.capture_qk(m, idx, teacher=True), ev.capture_qk(m, idx)
-    assert all(not c.teacher for c in m.attention_cores())   # the modes are restored
+    assert all(c.mode == 'linear' for c in m.attention_cores())   # the students are back
     for (qw, kw), (qt, kt), (qm, km) in zip(want, got_t, got_m):
         torch.testing.assert_close(qt, qw)
         torch.testing.assert_close(kt, kw)
@@ -344,7 +345,7 @@ def test_fidelity_calibrates_lln(tmp_path):
     assert res['maps'] == ['softmax', 'lln (calibrated)', 'elu (untrained)']
     tok = train.get_tokenizer(verbose=False)
     q, k = ev.capture_qk(m, torch.tensor(tok.encode(TEXT)[:64]).view(4, 16))[1]     # layer 1
-    calibrated, raw = attention.Attention('lln', 16, 2), attention.Attention('lln', 16, 2)
+    calibrated, raw = hybrids.Attention('lln', 16, 2), hybrids.Attention('lln', 16, 2)
     calibrated.fmap.calibrate(q, k)
     w_t = attention.softmax_weights(q, k)
     kl = {name: attention.kl_divergence(w_t, c.weights(q, k)).mean().item()
@@ -364,7 +365,7 @@ def test_fidelity_bert_windows_are_framed(tmp_path):
     assert w[1, 1:-1].tolist() == ids[14:28]                   # consecutive text between the frames
     assert ev.fidelity_windows(tok, ids, 16, 3).tolist() == torch.tensor(ids[:48]).view(3, 16).tolist()
     torch.manual_seed(0)
-    bert = M.GPT(M.GPTConfig(family='bert', vocab_size=_vocab(), block_size=32, n_layer=2, n_head=2, n_embd=32,
+    bert = M.build(M.GPTConfig(family='bert', vocab_size=_vocab(), block_size=32, n_layer=2, n_head=2, n_embd=32,
                              attn='hedgehog')).eval()
     res, _ = _fidelity_of(tmp_path, bert, ['--maps', 'elu', '--batch_size', '2'])
     assert res['samples'] == 2 and res['context'] == 16

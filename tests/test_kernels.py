@@ -28,6 +28,7 @@ if not CUDA and not _TRITON_PREIMPORTED:
     os.environ['TRITON_INTERPRET'] = '1'
 triton = pytest.importorskip('triton', reason='triton is not installed: the Triton kernel cannot be tested')
 import attention as A  # noqa: E402 (after TRITON_INTERPRET); it imports kernels
+import hybrids as Hy  # noqa: E402
 import kernels as K  # noqa: E402
 
 DEV = 'cuda' if CUDA else 'cpu'
@@ -198,7 +199,7 @@ def test_triton_entry_at_any_key_norm(name, norms):
     k = unit(torch.randn(B, H, T, D, generator=g, dtype=torch.float64)) * torch.where(
         torch.arange(T) < T // 2, norms[0], norms[1])[:, None].double()
     v = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
-    core = A.Attention(f'{name}:impl=triton', D, H).double().eval()
+    core = Hy.Attention(f'{name}:impl=triton', D, H).double().eval()
     u_q, u_k = core.fmap.log_phi(q, 'q', 0), core.fmap.log_phi(k, 'k', 0)
     logk = torch.logsumexp(u_q[..., :, None, :] + u_k[..., None, :, :], -1)
     ref = torch.softmax(logk.masked_fill(~A.causal_mask(T, T), -math.inf), -1) @ v
@@ -323,7 +324,7 @@ def test_fp16_values_with_large_key_log_features(name):
     q = torch.randn(B, H, T, D, generator=g).half()
     k = (torch.rand(B, H, T, D, generator=g) * 10 + 20).half()  # u = k (exp) or [k, -k] (hedgehog, W = I)
     v = torch.randn(B, H, T, D, generator=g).half()
-    core = A.Attention(f'{name}:impl=triton', D, H).to(DEV)
+    core = Hy.Attention(f'{name}:impl=triton', D, H).to(DEV)
     y = core(q.to(DEV), k.to(DEV), v.to(DEV))
     assert y.dtype == torch.float16 and torch.isfinite(y).all()
     u_q, u_k = core.fmap.log_phi(q.double(), 'q', 0), core.fmap.log_phi(k.double(), 'k', 0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attention as A
+import hybrids as Hy
 import eval as E
 import model as M
 import train
@@ -86,11 +87,11 @@ def test_entropy_match_tracks_softmax(s2):
     extreme keys dominate), hence 16 sequences. Moment matching ('paper') misses by 1.1 bits at s2 = 4."""
     d = 16
     q, k = gaussian_qk(s2, seqs=16, D=d)
-    h_sm = mean_entropy_bits(A.Attention('softmax', d, 1, causal=False), q, k)
-    h_ent = mean_entropy_bits(A.Attention('lln:match=entropy', d, 1, causal=False), q, k)
+    h_sm = mean_entropy_bits(Hy.Attention('softmax', d, 1, causal=False), q, k)
+    h_ent = mean_entropy_bits(Hy.Attention('lln:match=entropy', d, 1, causal=False), q, k)
     assert abs(h_ent - h_sm) < 0.25, (h_ent, h_sm)
     if s2 == 4.0:
-        h_paper = mean_entropy_bits(A.Attention('lln:match=paper', d, 1, causal=False), q, k)
+        h_paper = mean_entropy_bits(Hy.Attention('lln:match=paper', d, 1, causal=False), q, k)
         assert h_sm - h_paper > 0.5, (h_paper, h_sm)
 
 

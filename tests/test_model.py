@@ -21,7 +21,7 @@ def tiny(family='gpt2', **kw):
         base.update(n_kv_head=2, bias=False, tie_embeddings=False, intermediate_size=64, norm_eps=1e-6)
     base.update(kw)
     torch.manual_seed(0)
-    return M.GPT(M.GPTConfig(**base)).eval()
+    return M.build(M.GPTConfig(**base)).eval()
 
 
 def _spread(model, scale=8.0):
@@ -113,8 +113,8 @@ def test_bert_matches_transformers_with_padding(tmp_path):
         torch.testing.assert_close(model.pool(h), out.pooler_output, atol=1e-5, rtol=1e-4)
         # no mask, no token types
         torch.testing.assert_close(model.encode(idx), hf(input_ids=idx).last_hidden_state, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match='encode'):
-        model(idx)
+        torch.testing.assert_close(model(idx), model.encode(idx))   # a Bert's forward: its hidden states
+    assert isinstance(model, M.Bert) and not hasattr(model, 'generate') and not hasattr(model, 'lm_head')
 
 
 @pytest.mark.parametrize('kind', ['no_pooler', 'token_classification', 'masked_lm'])
@@ -354,12 +354,13 @@ def test_gqa_kv_cache_holds_only_the_kv_heads():
     model = _spread(tiny('llama'))  # n_head 4, n_kv_head 2, head_dim 8
     prompt = torch.randint(0, V, (2, 9))
     logits, states = model.prefill(prompt[:, :5])
-    assert states[0]['k'].shape == (2, 2, 5, 8) and states[0]['v'].shape == (2, 2, 5, 8)
+    kv = states[0].attn   # a KVCache: its first n positions hold the keys and values
+    assert kv.n == 5 and kv.k[:, :, :5].shape == (2, 2, 5, 8) and kv.v[:, :, :5].shape == (2, 2, 5, 8)
     for t in range(5, 9):
         logits, states = model.decode_step(prompt[:, t], t, states)
         torch.testing.assert_close(logits, model(prompt[:, :t + 1])[0][:, -1], atol=1e-4, rtol=1e-4)
-    cap = states[0]['k'].shape[2]   # the preallocated cache: 9 tokens held, room for a few more (doubling)
-    assert 9 <= cap <= 18 and states[0]['k'].shape[1] == 2
+    cap = states[0].attn.k.shape[2]   # the preallocated cache: 9 tokens held, room for a few more (doubling)
+    assert 9 <= cap <= 18 and states[0].attn.k.shape[1] == 2 and states[0].attn.n == 9
     assert model.decode_state_nbytes(states) == 2 * 2 * (2 * 2 * cap * 8) * 4  # layers x (k, v) x B H_kv T D x fp32
 
 
@@ -390,8 +391,7 @@ def test_generate_eos_sampling_and_limits():
     with pytest.raises(ValueError, match='block_size=64'):
         model.generate(prompt, 61, temperature=0.0)
     assert model.generate(prompt, 61, temperature=0.0, use_cache=False).shape == (2, 66)
-    with pytest.raises(ValueError, match='causal'):
-        tiny('bert').generate(prompt, 2)
+    assert not hasattr(tiny('bert'), 'generate')   # an encoder (model.Bert) has no LM head
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -414,9 +414,9 @@ def test_checkpoint_round_trip(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(idx)[0], model(idx)[0])
         torch.testing.assert_close(M.load(str(path.parent))[0].eval()(idx)[0], model(idx)[0])   # the folder
-    # our own checkpoint with a different attention
+    # our own checkpoint with a different attention: on its converted layer (issue 35: layer 1 stays softmax)
     m3 = M.GPT.from_pretrained(str(path), attn='elu')
-    assert [c.spec.name for c in m3.attention_cores()] == ['elu', 'elu']
+    assert [c.spec.name for c in m3.attention_cores()] == ['elu', 'softmax']
     with pytest.raises(ValueError, match='not a checkpoint'):
         torch.save({'x': 1}, tmp_path / 'other.pt')
         M.load(str(tmp_path / 'other.pt'))
@@ -498,19 +498,20 @@ def test_capture_qkv_records_what_the_cores_see_and_runs_the_teacher():
     student.set_attention('hedgehog')
     with torch.no_grad():
         assert not torch.allclose(student(x)[0], logits)
+        cores = student.attention_cores()
         with student.capture_qkv(teacher=True):
             torch.testing.assert_close(student(x)[0], logits)
-        assert not any(c.teacher for c in student.attention_cores())
+        assert student.attention_cores() == cores and cores[0].mode == 'linear'   # the students are back
 
 
 def test_init_std_fields():
     """init_std / emb_init_std set the scratch initialisation (nanoGPT's 0.02 by default)."""
     torch.manual_seed(0)
     base = dict(family='llama', vocab_size=512, block_size=16, n_layer=2, n_head=4, n_embd=128, tie_embeddings=False)
-    m = M.GPT(M.GPTConfig(**base))
+    m = M.build(M.GPTConfig(**base))
     assert abs(m.transformer.wte.weight.std().item() - 0.02) < 0.002
     assert abs(m.transformer.h[0].attn.q_proj.weight.std().item() - 0.02) < 0.002
-    m = M.GPT(M.GPTConfig(**base, init_std=0.08, emb_init_std=1.0))
+    m = M.build(M.GPTConfig(**base, init_std=0.08, emb_init_std=1.0))
     assert abs(m.transformer.wte.weight.std().item() - 1.0) < 0.05
     assert abs(m.transformer.h[0].attn.q_proj.weight.std().item() - 0.08) < 0.008
     assert abs(m.transformer.h[0].attn.o_proj.weight.std().item() - 0.08 / 2) < 0.004  # 1/sqrt(2 n_layer)
@@ -618,3 +619,21 @@ def test_a_checkpoint_written_before_issue_35_loads(tmp_path):
             for t in range(12):
                 step, states = m.prefill(idx[:, t:t + 1], t, states) if states else m.prefill(idx[:, :1])
                 assert torch.allclose(step, logits[:, t], atol=1e-4), (path, t)
+
+
+def test_attn_override_on_a_partial_conversion_keeps_its_softmax_layers(tmp_path, capsys):
+    """Issue 35: loading a conversion of some layers (convert.py --layers) with another attention (eval.py --attn)
+    gives it to the converted layers, their trained maps kept; the layers left softmax stay softmax (they got fresh
+    untrained maps). A model converted everywhere, or a softmax one, takes it everywhere."""
+    m = tiny('llama')
+    m.set_attention('hedgehog:window=4', layers=[1])
+    with torch.no_grad():
+        m.attention_cores()[1].fmap.weight.add_(0.1)
+    M.save(tmp_path / 'partial.pt', m)
+    got = M.load(tmp_path / 'partial.pt', attn='hedgehog:window=4:sinks=1')[0].attention_cores()
+    assert [str(c.spec) for c in got] == ['softmax', 'hedgehog:window=4:sinks=1']
+    assert torch.equal(got[1].fmap.weight, m.attention_cores()[1].fmap.weight) and 'changed' not in capsys.readouterr().out
+    m.set_attention('hedgehog')
+    M.save(tmp_path / 'all.pt', m)
+    assert [str(c.spec) for c in M.load(tmp_path / 'all.pt', attn='elu')[0].attention_cores()] == ['elu', 'elu']
+    assert 'changed to elu' in capsys.readouterr().out

@@ -204,7 +204,7 @@ def test_associative_recall_seeds():
     b = T.make_associative_recall(50, 32, 40, seed=1)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     cfg = T.TrainConfig(n_train=2000, seq_len=32)
-    splits = T.Task(cfg, verbose=False).splits
+    splits = T.Task(cfg.data_config(), verbose=False).splits
     xtr, xte = splits['train'][0], splits['val'][0]
     assert len(xte) == T.N_TEST
     train_rows = {tuple(r) for r in xtr.tolist()}
@@ -399,7 +399,7 @@ def test_train_text_tiny_byte_tokenizer(tmp_path, no_tiktoken, capsys):
     m = s['metrics']
     assert m['val_ppl'] == pytest.approx(np.exp(m['val_loss']))
     assert m['val_ppl'] < 257 and m['val_tokens'] > 0
-    val_ids = T.text_splits(T.TrainConfig(data=str(text), seq_len=16), T.get_tokenizer(verbose=False))[1]
+    val_ids = T.text_splits(T.TrainConfig(data=str(text), seq_len=16).data_config(), T.get_tokenizer(verbose=False))[1]
     assert m['val_tokens'] == len(val_ids) - 1               # T.perplexity: every token but the first
 
 

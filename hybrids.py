@@ -1,0 +1,515 @@
+"""
+The attention core of one layer, `Attention`, and the hybrids of softmax and linear attention it runs. In reading order:
+  1. the hybrids, all tokens at once: sliding-window softmax + linear (LoLCATs-w), block-diagonal softmax + linear
+     (LLN+Diag)
+  2. the decode states, one small type each: LinearState (S, z, m), KVCache, Pairs (sinks, LoLA's cache, the window
+     buffer), WindowState, DiagState, SplitState (exact heads beside the rest)
+  3. LoLA's sparse-cache update (lola_select) and its schedule written out token by token (lola_reference, float64:
+     the definition the fast forms are tested against)
+  4. Attention: the mode (softmax, linear, window, diag) fixed when it is built, one method per mode and phase
+     (parallel: all tokens from the start; decode: continuing from a state)
+
+A decode state is never changed by a call: each call returns a new one, so two continuations of one state (branches,
+beam search) do not disturb each other. q, k, v: (B, H, T, D) after RoPE, k and v repeated to H heads; states keep
+the H_kv = H / kv_groups key/value heads only (k[:, ::g]).
+"""
+
+import copy
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import attention as A
+from attention import NO_KEY, UsageError, acc, linear_attention, linear_attention_parts, softmax_attention
+
+# ---- 1. the hybrids, all tokens at once ----------------------------------------
+def _band_blocks(x, w):
+    """(B, H, T, E) -> (B, H, n = ceil(T / w), 3w, E): for each block b of w rows, blocks b - 1, b, b + 1 (0-padded)."""
+    n = math.ceil(x.shape[2] / w)
+    x = F.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
+    return x.unfold(2, 3 * w, w).transpose(-1, -2)  # windows of 3w rows every w rows
+
+def _in_window(i, j, w, causal):
+    """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees the rest."""
+    return ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
+
+def _window_softmax(q, k, v, visible):
+    """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij =
+    q_i.k_j / sqrt(D), m_i the row's largest visible score (0 for a row that sees no key)."""
+    s = torch.einsum('...id,...jd->...ij', q, k).masked_fill(~visible, float('-inf')) * q.shape[-1] ** -0.5
+    m = s.amax(-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # -inf: a row that sees no key
+    a = torch.exp(s - m)
+    return a @ v, a.sum(-1), m[..., 0]
+
+def _merge(a, b):
+    """Two unnormalised parts (num, den, m) over disjoint keys as one, each of true mass den exp(m) (_window_softmax's,
+    linear_attention_parts'); m: the larger of the two (a row that sees no key has den 0 and adds nothing)."""
+    ma, mb = (x[2].where(x[1] > 0, -math.inf) for x in (a, b))
+    m = torch.maximum(ma, mb).nan_to_num(neginf=0.0)
+    ra, rb = torch.exp(ma - m), torch.exp(mb - m)
+    return a[0] * ra[..., None] + b[0] * rb[..., None], a[1] * ra + b[1] * rb, m
+
+def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
+    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
+    _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i) and
+            linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are <= gamma, on
+            the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at attention sinks);
+      mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
+    Masses compare in log space. A row without linear keys is the window part, one without window keys the
+    linear part, 0 with neither. Returns y and p, the share of each row's attention on the window part, float32."""
+    has_w, has_l = den_w > 0, den_l > 0
+    den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
+    f = factor.to(den_w.dtype).view(1, -1, *([1] * (den_w.dim() - 2)))  # (1, H, 1..) against (B, H, ..)
+    p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log()) if combine == 'joint' else f.expand_as(den_w)
+    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)  # the window part's weight
+    return p[..., None] * num_w / den_w[..., None] + (1 - p[..., None]) * num_l / den_l[..., None], p
+
+def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True, key_padding_mask=None,
+                            chunk_size=64):
+    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from spec: softmax over
+    W(i) = {i - window < j <= i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel:
+    exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink
+    tokens, Xiao et al. 2024), not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k:
+    0 at padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory: blocks of `window` queries, linear keys
+    shifted `window`."""
+    (B, H, T, D), w = q.shape, spec.window
+    n, N = math.ceil(T / w), min(spec.sinks, T)
+    qb = F.pad(acc(q), (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)  # (B, H, n, w, D)
+    i = (torch.arange(n, device=q.device) * w)[:, None, None] + torch.arange(w, device=q.device)[:, None]
+    j = i[:, :1] - w + torch.arange(3 * w, device=q.device)  # (n, 1, 3w): the previous, this and the next block
+    keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    real = _band_blocks(keys[:, None, :, None].float(), w)[..., 0] > 0.5  # (B, 1, n, 3w): not padding
+    visible = _in_window(i, j, w, causal) & real[:, :, :, None, :]  # (B, 1, n, w, 3w)
+    cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
+    num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(acc(k), w), _band_blocks(acc(v), w), visible))
+    if N:  # the sink keys outside the window: (T, N), with the padding (B, 1, T, N)
+        i, j = torch.arange(T, device=q.device)[:, None], torch.arange(N, device=q.device)
+        visible = ~_in_window(i, j, w, causal) & ((i >= j) | (not causal)) & keys[:, None, None, :N]
+        num_w, den_w, m = _merge((num_w, den_w, m), _window_softmax(acc(q), acc(k[:, :, :N]), acc(v[:, :, :N]),
+                                                                    visible))
+    if phi_q is None:  # no linear part: the softmax part alone (a row with no key gives 0)
+        return (num_w / den_w.where(den_w > 0, 1.0)[..., None]).to(v.dtype), torch.ones_like(den_w)
+    sink = torch.arange(T, device=q.device) < N  # sinks are not in the linear part
+    pk, ck = acc(phi_k) * ~sink[:, None], c_k.masked_fill(sink, NO_KEY)
+    shift = lambda x, fill=0.0: torch.cat([x.new_full((*x.shape[:2], w, *x.shape[3:]), fill), x], 2)[:, :, :T]  # noqa
+    # (shift: x_t <- x_{t - w})
+    lin = linear_attention_parts(phi_q, shift(pk), shift(v), True, spec.impl, chunk_size, c_k=shift(ck, NO_KEY))[:3]
+    if not causal:  # plus the keys j >= i + w: the same, backwards in time
+        back = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, spec.impl, chunk_size,
+                                      c_k=shift(ck.flip(2), NO_KEY))[:3]
+        lin = _merge(lin, [x.flip(2) for x in back])
+    num_l, den_l, m_l = lin
+    y, p = combine_window_linear(num_w, den_w, m, num_l, den_l, c_q + m_l, factor, spec.combine)
+    return y.to(v.dtype), p
+
+
+def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
+    """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al. 2023, Sec. 4.2."""
+    B, H, T, D = q.shape
+    n, pad = math.ceil(T / block), -T % block  # pad: to a whole number of blocks
+    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, t.shape[-1]) for t in (q, k, v))
+    keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    mask = F.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
+    mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril() if causal else mask
+    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself: finite
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
+
+
+# ---- 2. the decode states -------------------------------------------------------
+def _tensors(state):
+    """The tensors a state holds, nested states included."""
+    for f in fields(state):
+        x = getattr(state, f.name)
+        if torch.is_tensor(x):
+            yield x
+        elif hasattr(x, '__dataclass_fields__'):
+            yield from _tensors(x)
+
+def state_nbytes(state):
+    """Bytes held by a decode state (or a list of them, one per layer), all KV capacity included."""
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(s) for s in state)
+    return 0 if state is None else sum(t.numel() * t.element_size() for t in _tensors(state))
+
+@dataclass(frozen=True)
+class LinearState:
+    """Linear attention's state in units of exp(-m) (attention.linear_attention_parts): S = sum phi_k exp(c - m) v^T,
+    z = sum phi_k exp(c - m) over the n keys folded in."""
+    S: torch.Tensor   # (B, H, F, D)
+    z: torch.Tensor   # (B, H, F)
+    m: torch.Tensor   # (B, H): the largest shift c folded in (NO_KEY: none yet)
+    n: int            # tokens folded in (linear and diag modes: every token so far)
+
+    @staticmethod
+    def empty(B, H, F_, D, like):
+        return LinearState(like.new_zeros(B, H, F_, D), like.new_zeros(B, H, F_), like.new_full((B, H), NO_KEY), 0)
+
+    def fold(self, phi, c, v, n):
+        """The state with pairs added: phi (B, H, L, F) shifted features, c (B, H, L) their shifts (NO_KEY: not
+        added), v (B, H, L, D); n: how many of them count as folded."""
+        m = torch.maximum(self.m, c.amax(-1)) if c.shape[-1] else self.m
+        pk, r = A.scaled_keys(phi, c, m), torch.exp(self.m - m)   # (B, H, L, F) in units exp(-m)
+        return LinearState(self.S * r[..., None, None] + pk.transpose(-2, -1) @ v, self.z * r[..., None] + pk.sum(-2),
+                           m, self.n + n)
+
+@dataclass(frozen=True)
+class KVCache:
+    """Softmax's decode state: the keys and values of the H_kv heads in buffers of some capacity, the first n filled.
+    Appending writes in place when no other state has written past n (fill: how far any state of these buffers has
+    written, shared), doubling the capacity when full; otherwise it copies first. One sequence costs one copy per
+    doubling, and a state stays valid after a decode from it."""
+    k: torch.Tensor   # (B, H_kv, capacity, D)
+    v: torch.Tensor   # (B, H_kv, capacity, Dv)
+    n: int
+    fill: list        # [tokens written into these buffers]
+
+    @staticmethod
+    def start(k, v):
+        return KVCache(k.contiguous(), v.contiguous(), k.shape[2], [k.shape[2]])
+
+    def append(self, k, v):
+        n, T, cap = self.n, k.shape[2], self.k.shape[2]
+        kb, vb, fill = self.k, self.v, self.fill
+        if fill[0] != n or n + T > cap:   # another state wrote past n, or full: new buffers
+            cap = max(2 * cap, n + T) if n + T > cap else cap
+            kb, vb = (torch.cat([x[:, :, :n], x.new_empty(*x.shape[:2], cap - n, x.shape[3])], 2) for x in (kb, vb))
+            fill = [n]
+        kb[:, :, n:n + T], vb[:, :, n:n + T], fill[0] = k, v, n + T
+        return KVCache(kb, vb, n + T, fill)
+
+@dataclass(frozen=True)
+class Pairs:
+    """Key-value pairs kept exact in the softmax part, oldest first: the sinks, LoLA's cache, the window buffer. phi
+    and c (the keys' shifted features and shifts, per query head) where a linear part may fold them later."""
+    k: torch.Tensor                   # (B, H_kv, L, D)
+    v: torch.Tensor                   # (B, H_kv, L, Dv)
+    phi: torch.Tensor | None = None   # (B, H, L, F)
+    c: torch.Tensor | None = None     # (B, H, L)
+
+    def __len__(self):
+        return self.k.shape[2]
+
+    def _map(self, fn, other=None):
+        xs = [getattr(self, f.name) for f in fields(self)]
+        ys = [getattr(other, f.name) for f in fields(other)] if other is not None else [None] * 4
+        return Pairs(*(None if x is None else fn(x, y) for x, y in zip(xs, ys)))
+
+    def cat(self, other):
+        return self._map(lambda x, y: torch.cat([x, y], 2), other)
+
+    def cut(self, a, b=None):   # pairs a..b - 1
+        return self._map(lambda x, _: x[:, :, a:b])
+
+    def take(self, idx, g):
+        """The pairs idx (B, H_kv, n) of each KV head (its query heads: the same pairs)."""
+        def gather(x):   # along time; idx per KV head, or repeated to the query heads; broadcast over trailing dims
+            i = idx if x.shape[1] == idx.shape[1] else idx.repeat_interleave(g, 1)
+            return x.gather(2, i.view(*i.shape, *[1] * (x.dim() - 3)).expand(*i.shape, *x.shape[3:]))
+        return self._map(lambda x, _: gather(x))
+
+@dataclass(frozen=True)
+class WindowState:
+    """The sliding-window hybrid's decode state (and LoLA's): query t's softmax part is the sinks, the cache and the
+    buffer's tokens up to t; its linear part the folded pairs."""
+    offset: int                  # tokens seen
+    sinks: Pairs                 # the first `sinks` tokens (never folded)
+    cache: Pairs                 # LoLA's cached pairs (empty without a cache)
+    buffer: Pairs                # the last tokens: the pending block (with a cache), then the window
+    linear: LinearState | None   # the folded pairs (None: sliding-window softmax alone; what leaves is dropped)
+
+@dataclass(frozen=True)
+class DiagState:
+    """LLN+Diag's decode state: every token in the linear state, the current block's pairs for the softmax part."""
+    linear: LinearState
+    block: Pairs                 # the current partial block (fewer than diag_block tokens)
+
+@dataclass(frozen=True)
+class SplitState:
+    """Exact heads beside the rest (spec exact=): a KV cache for the exact KV heads, the rest's own state."""
+    exact: KVCache
+    rest: object
+
+# ---- 3. LoLA's sparse cache: the update, and its schedule token by token ----------
+def lola_select(state, cand, n_keep, kv_groups):
+    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate Pairs (the cache and the pending block)
+    scored by their self-recall error against the linear state, SRE(k, v) = ||S^T phi(k) / z^T phi(k) - v||^2 (phi(k):
+    the key's features; 0 recalled where z^T phi(k) = 0), per KV head the mean over its query heads. The n_keep worst
+    recalled stay in the cache; the rest are folded into the state. (The paper's SRE; its public code scores
+    differently.) -> (kept: sorted indices (B, H_kv, n_keep), the new LinearState)."""
+    rep = lambda x: x.repeat_interleave(kv_groups, 1)  # noqa: E731, GQA: query head h reads kv head h // g
+    num, den = cand.phi @ state.S, (cand.phi @ state.z[..., None])[..., 0]   # (B, H, L, D), (B, H, L)
+    sre = (num / den.where(den > 0, 1.0)[..., None] - rep(cand.v)).square().sum(-1)            # (B, H, L)
+    sre = sre.unflatten(1, (-1, kv_groups)).mean(2)                                               # (B, H_kv, L)
+    keep = sre.topk(min(n_keep, sre.shape[-1]), -1).indices.sort(-1).values                      # (B, H_kv, n_keep)
+    fold = rep(torch.ones_like(sre, dtype=torch.bool).scatter(-1, keep, False))                  # (B, H, L)
+    return keep, state.fold(cand.phi * fold[..., None], cand.c.masked_fill(~fold, NO_KEY), rep(cand.v),
+                            len(cand) - keep.shape[-1])
+
+@torch.no_grad()
+def lola_reference(core, q, k, v):
+    """The window hybrid with LoLA's cache written out token by token from sets of indices, in float64: what
+    Attention computes for spec window=w, sinks=s, cache=N, cache_block=C. Query t's softmax part: the sinks (j < s),
+    the cache G and the tokens p..t; its linear part: the folded pairs, with the exact kernel phi(q).phi(k). When the
+    block p..p+C-1 has left the window (t - w >= p + C - 1), G and the block compete: per KV head, the mean over its
+    query heads of ||S^T phi(k_j) / z^T phi(k_j) - v_j||^2 (S, z: sums over the folded pairs; 0 recalled where
+    z^T phi(k_j) = 0); the N largest stay, the rest are folded, and p moves on by C. Attention runs the same schedule
+    vectorised; this is sequential for clarity (and slow: tests and small checks)."""
+    spec, g, H = core.spec, core.kv_groups, q.shape[1]
+    w, ns, N, C = spec.window, spec.sinks, spec.cache, spec.cache_block
+    q, k, v = q.double(), k.double(), v.double()
+    fm = copy.deepcopy(core.fmap).double()
+    pq, pk = fm.phi(q, 'q', 0), fm.phi(k, 'k', 0)   # the exact features
+    f, (B, _, T, D) = core.factor().double(), q.shape
+    G, folded = ([[[] for _ in range(H // g)] for _ in range(B)] for _ in range(2))
+    y, p = torch.zeros_like(v), ns
+    for t in range(T):
+        if t - w >= p + C - 1:   # the pending block has left the window: the update
+            for b in range(B):
+                for hk in range(H // g):
+                    cand, sre = G[b][hk] + list(range(p, p + C)), torch.zeros(len(G[b][hk]) + C, dtype=torch.float64)
+                    for h in range(hk * g, hk * g + g):
+                        S = sum((torch.outer(pk[b, h, j], v[b, h, j]) for j in folded[b][hk]), pk.new_zeros(pk.shape[-1], v.shape[-1]))
+                        z = sum((pk[b, h, j] for j in folded[b][hk]), pk.new_zeros(pk.shape[-1]))
+                        for i, j in enumerate(cand):
+                            den = z @ pk[b, h, j]
+                            recall = S.T @ pk[b, h, j] / den if den > 0 else torch.zeros_like(v[b, h, j])
+                            sre[i] += ((recall - v[b, h, j]) ** 2).sum() / g
+                    keep = set(sre.topk(min(N, len(cand))).indices.tolist())
+                    G[b][hk] = sorted(cand[i] for i in keep)
+                    folded[b][hk] += [cand[i] for i in range(len(cand)) if i not in keep]
+            p += C
+        for b in range(B):
+            for h in range(H):
+                soft, lin = list(range(min(ns, t + 1))) + G[b][h // g] + list(range(max(p, ns), t + 1)), folded[b][h // g]
+                s = torch.stack([q[b, h, t] @ k[b, h, j] for j in soft]) / math.sqrt(D)
+                a = torch.exp(s - s.max())   # the window part, unnormalised: exp(s - m), m the row's largest score
+                if not lin:
+                    y[b, h, t] = a @ v[b, h, soft] / a.sum()
+                    continue
+                kl = torch.stack([pq[b, h, t] @ pk[b, h, j] for j in lin])   # the linear part: phi(q).phi(k)
+                if spec.combine == 'joint':   # one normalisation of gamma exp(s - m) and phi(q).phi(k)
+                    y[b, h, t] = (f[h] * a @ v[b, h, soft] + kl @ v[b, h, lin]) / (f[h] * a.sum() + kl.sum())
+                else:                         # mix: s y_window + (1 - s) y_linear
+                    y[b, h, t] = f[h] * a @ v[b, h, soft] / a.sum() + (1 - f[h]) * kl @ v[b, h, lin] / kl.sum()
+    return y
+
+# ---- 4. the attention core of one layer -------------------------------------------
+class Attention(nn.Module):
+    """The attention of one layer, chosen by an AttnSpec (or its string); owns the feature map and the window
+    factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v repeated to H heads (the maps
+    are per query head); kv_groups = H / H_kv. max_len: cosformer's M unless the spec sets it (the model's
+    block_size). The mode is fixed here: softmax (exact, or with spec window: sliding-window softmax alone, 'window'),
+    linear, window (the sliding-window hybrid, LoLA's cache), diag (LLN+Diag). share: after a window forward, each
+    row's share of attention on the softmax part (B, H, T), detached.
+        y = core(q, k, v)                                            # (B, H, T, D)
+        y, state = core(q, k, v, return_state=True)                  # prefill
+        y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
+
+    def __init__(self, spec, head_dim, n_heads, causal=True, kv_groups=1, max_len=None):
+        super().__init__()
+        self.spec = spec = A.AttnSpec.parse(spec)
+        if kv_groups < 1 or n_heads % kv_groups:
+            raise ValueError(f"kv_groups must divide n_heads={n_heads}, got {kv_groups}")
+        if spec.cache and not causal:
+            raise UsageError(f"attention spec '{spec}': the sparse cache follows the tokens (causal models only)")
+        self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
+        self.chunk_size, self.share = 64, None   # chunk_size: the linear paths' speed setting, not the outputs'
+        options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
+        options.update(spec.options)  # the spec's own max_len wins
+        self.fmap = None if spec.name == 'softmax' else A.FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
+        self.mode = 'window' if spec.window else 'softmax' if self.fmap is None else 'diag' if spec.diag_block else \
+            'linear'
+        if spec.window and self.fmap is not None:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197)
+            theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0  # mix: s = 1/2 until calibrate() sets it
+            self.window_factor = nn.Parameter(torch.full((n_heads,), theta))
+
+    window = property(lambda self: self.spec.window)
+
+    def factor(self):
+        """The window factor through its sigmoid, per head: gamma (joint) or s (mix), on the window part."""
+        return torch.sigmoid(self.window_factor) if self.fmap is not None else None
+
+    def extra_repr(self):
+        return f"spec='{self.spec}', causal={self.causal}, kv_groups={self.kv_groups}"
+
+    def forward(self, q, k, v, state=None, return_state=False, key_padding_mask=None):
+        A.check_qk(q, k, self.head_dim, self.n_heads)
+        if key_padding_mask is not None and self.causal:
+            raise ValueError("key_padding_mask is for bidirectional (encoder) attention only")
+        if state is not None and not self.causal:
+            raise ValueError("a bidirectional core has no decode state")
+        if self.mode == 'softmax':
+            y, state = self._softmax_parallel(q, k, v, key_padding_mask, return_state) if state is None else \
+                self._softmax_decode(q, k, v, state)
+            return (y, state) if return_state else y
+        with torch.autocast(q.device.type, enabled=False):   # float32 inside (float64 stays); y in v's dtype
+            q, k, v32 = acc(q), acc(k), acc(v)
+            if self.mode == 'linear':
+                y, state = self._linear(q, k, v32, state, key_padding_mask)
+            elif self.mode == 'diag':
+                y, state = self._diag_parallel(q, k, v32, key_padding_mask) if state is None else \
+                    self._diag_decode(q, k, v32, state)
+            elif state is None and not self.spec.cache:
+                y, state = self._window_parallel(q, k, v32, key_padding_mask, return_state)
+            else:   # decoding, and LoLA's cache (it runs the decode schedule from the start)
+                y, state = self._window_decode(q, k, v32, state)
+        return (y.to(v.dtype), state) if return_state else y.to(v.dtype)
+
+    def weights(self, q, k, key_padding_mask=None):
+        """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""
+        eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
+        return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
+
+    def _features(self, q, k, offset, key_padding_mask=None):
+        """fmap.features with padding keys removed (phi_k 0, c_k NO_KEY); None x 4 without a linear part."""
+        if self.fmap is None:
+            return None, None, None, None
+        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset)
+        if key_padding_mask is not None:
+            phi_k, c_k = phi_k * key_padding_mask[:, None, :, None], c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
+        return phi_q, phi_k, c_q, c_k
+
+    # -- softmax: SDPA; its decode state a KV cache
+    def _softmax_parallel(self, q, k, v, key_padding_mask, return_state):
+        k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]   # (B, H_kv, T, D): the model's own heads
+        mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        y = softmax_attention(q, k, v, self.causal, attn_mask=mask)
+        return y, KVCache.start(k, v) if return_state and self.causal else None
+
+    def _softmax_decode(self, q, k, v, state):
+        T, st = q.shape[2], state.append(k[:, ::self.kv_groups], v[:, ::self.kv_groups])
+        mask = A.causal_mask(T, st.n, q.device) if T > 1 else None
+        return softmax_attention(q, st.k[:, :, :st.n], st.v[:, :, :st.n], causal=False, attn_mask=mask), st
+
+    # -- linear: one path for both phases, from a state (S, z, m) or from zeros
+    def _linear(self, q, k, v, state, key_padding_mask=None):
+        n = 0 if state is None else state.n
+        phi_q, phi_k, _, c_k = self._features(q, k, n, key_padding_mask)
+        init = None if state is None else (state.S, state.z, state.m)
+        y, (S, z, m) = linear_attention(phi_q, phi_k, v, self.causal, self.spec.impl, 0.0, self.chunk_size, init,
+                                        True, c_k)
+        return y, LinearState(S, z, m, n + q.shape[2]) if self.causal else None
+
+    # -- diag (LLN+Diag): linear attention plus softmax within blocks, averaged
+    def _diag_parallel(self, q, k, v, key_padding_mask):
+        T, g, b = q.shape[2], self.kv_groups, self.spec.diag_block
+        y, linear = self._linear(q, k, v, None, key_padding_mask)
+        y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, self.causal, key_padding_mask))
+        cut = T // b * b   # the partial block: tokens cut..T-1
+        return y, DiagState(linear, Pairs(k[:, ::g, cut:], v[:, ::g, cut:])) if self.causal else None
+
+    def _diag_decode(self, q, k, v, state):
+        """One token at a time: linear attention from (S, z, m), softmax over its block so far."""
+        ys, g = [], self.kv_groups
+        for t in range(q.shape[2]):
+            qt, kt, vt = q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]
+            y, linear = self._linear(qt, kt, vt, state.linear)
+            block = state.block.cat(Pairs(kt[:, ::g], vt[:, ::g]))
+            ys.append(0.5 * (y + softmax_attention(qt, block.k, block.v, causal=False)))
+            state = DiagState(linear, block.cut(0, 0) if linear.n % self.spec.diag_block == 0 else block)
+        return torch.cat(ys, 2), state
+
+    # -- window: sliding-window softmax + linear (LoLCATs), sinks, LoLA's cache
+    def _window_parallel(self, q, k, v, key_padding_mask, return_state):
+        """All tokens from the start, without a cache: window_linear_attention; the state keeps the sinks and the
+        last window - 1 tokens, and folds the rest."""
+        phi_q, phi_k, c_q, c_k = self._features(q, k, 0, key_padding_mask)
+        y, share = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(), self.causal,
+                                           key_padding_mask, self.chunk_size)
+        self.share = share.detach()
+        if not (return_state and self.causal):
+            return y, None
+        state = self._window_push(self._window_empty(q, v), k, v, phi_k, c_k)
+        return y, self._window_update(state, max(len(state.buffer) - (self.window - 1), 0))
+
+    def _window_empty(self, q, v):
+        (B, H, _, D), Dv, g = q.shape, v.shape[-1], self.kv_groups
+        none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
+        if self.fmap is None:
+            return WindowState(0, none, none, none, None)
+        F_ = self.fmap.feature_dim
+        with_phi = replace(none, phi=q.new_zeros(B, H, 0, F_), c=q.new_zeros(B, H, 0))
+        return WindowState(0, none, with_phi, with_phi, LinearState.empty(B, H, F_, Dv, q))
+
+    def _window_decode(self, q, k, v, state):
+        """Tokens after a state (or from the start, with a cache) in segments within which the linear part is fixed:
+        each ends where pairs leave the softmax part (the update), C = cache_block with a cache (the pending block),
+        else 1 (a token leaves the window)."""
+        state = state or self._window_empty(q, v)
+        C, T, out, t = self.spec.cache_block if self.spec.cache else 1, q.shape[2], [], 0
+        while t < T:
+            n = min(T - t, self.window - 1 + C - len(state.buffer))   # tokens up to the next update
+            qs, ks, vs = (x[:, :, t:t + n] for x in (q, k, v))
+            y, share, phi_k, c_k = self._window_segment(qs, ks, vs, state)
+            state = self._window_update(self._window_push(state, ks, vs, phi_k, c_k), C)
+            out, t = out + [(y, share)], t + n
+        self.share = torch.cat([s for _, s in out], 2).detach()
+        return torch.cat([y for y, _ in out], 2), state
+
+    def _window_segment(self, q, k, v, st):
+        """Outputs of tokens q, k, v (B, H, n, D) right after state st, the linear part fixed: (y, share, phi_k,
+        c_k). Softmax part: the sinks, the cache (always seen) and the buffer and new tokens up to the query."""
+        (n, o), g = (q.shape[2], st.offset), self.kv_groups
+        soft = st.sinks.cat(st.cache).cat(st.buffer).cat(Pairs(k[:, ::g], v[:, ::g]))
+        pos = torch.cat([torch.arange(len(st.sinks)), torch.full((len(st.cache),), -1),
+                         torch.arange(o - len(st.buffer), o + n)]).to(q.device)   # the keys' positions
+        keys, vals = soft.k.repeat_interleave(g, 1), soft.v.repeat_interleave(g, 1)
+        num_w, den_w, m_w = _window_softmax(q, keys, vals, pos <= torch.arange(o, o + n, device=q.device)[:, None])
+        if st.linear is None:   # sliding-window softmax alone
+            return num_w / den_w[..., None], torch.ones_like(den_w), None, None
+        phi_q, phi_k, c_q, c_k = self._features(q, k, o)
+        L = st.linear
+        y, share = combine_window_linear(num_w, den_w, m_w, phi_q @ L.S, (phi_q @ L.z[..., None])[..., 0],
+                                         c_q + L.m[..., None], self.factor(), self.spec.combine)
+        return y, share, phi_k, c_k
+
+    def _window_push(self, st, k, v, phi_k, c_k):
+        """The state with tokens k, v (B, H, n, D) appended: the first go to the sinks while there are fewer than
+        spec.sinks, the others to the buffer."""
+        s, g = min(max(self.spec.sinks - st.offset, 0), k.shape[2]), self.kv_groups
+        cut = lambda x: None if x is None else x[:, :, s:]   # noqa: E731
+        return replace(st, offset=st.offset + k.shape[2], sinks=st.sinks.cat(Pairs(k[:, ::g, :s], v[:, ::g, :s])),
+                       buffer=st.buffer.cat(Pairs(k[:, ::g, s:], v[:, ::g, s:], cut(phi_k), cut(c_k))))
+
+    def _window_update(self, st, C):
+        """Once the buffer holds window - 1 + C tokens, its first C leave the softmax part: with a cache they and
+        the cache compete (lola_select), the rest folded; without, they are folded (or dropped: no linear part)."""
+        if len(st.buffer) < self.window - 1 + C:
+            return st
+        block, buffer = st.buffer.cut(0, C), st.buffer.cut(C)
+        if st.linear is None:
+            return replace(st, buffer=buffer)
+        cand, g = st.cache.cat(block), self.kv_groups
+        if not self.spec.cache:
+            return replace(st, buffer=buffer, linear=st.linear.fold(cand.phi, cand.c, cand.v.repeat_interleave(g, 1),
+                                                                     len(cand)))
+        keep, linear = lola_select(st.linear, cand, self.spec.cache, g)
+        return replace(st, buffer=buffer, cache=cand.take(keep, g), linear=linear)
+
+    @torch.no_grad()
+    def calibrate(self, q, k, key_padding_mask=None):
+        """Initialisation from teacher queries/keys (B, H, T, D) of B sequences (key_padding_mask (B, T): True at real
+        tokens): LLN's statistics of the real tokens; mix's s = the teacher's mean softmax mass in the softmax part
+        (window and sinks) over the rows that also see other keys, exact for an average row (clamped to [1e-4,
+        1 - 1e-4]), one sequence at a time (H x T x T floats)."""
+        B, H, T, _ = q.shape
+        real = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+        if hasattr(self.fmap, 'calibrate'):
+            self.fmap.calibrate(*(x.transpose(1, 2)[real.bool()].transpose(0, 1)[None] for x in (q, k)))  # (1, H, N, D)
+        if self.window and self.spec.combine == 'mix':
+            j = torch.arange(T, device=q.device)
+            seen = A.causal_mask(T, T, q.device) if self.causal else torch.ones(T, T, dtype=torch.bool, device=q.device)
+            soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen  # (T, T)
+            total, n = 0.0, 0
+            for b in range(B):
+                vis = seen & real[b].bool()  # the real keys of each row
+                rows = real[b].bool() & (vis & ~soft).any(-1)  # real rows that see keys of the linear part too
+                total = total + (A.softmax_weights(q[b:b + 1], k[b:b + 1], attn_mask=vis)[0] * soft).sum(-1)[:, rows] \
+                    .double().sum(-1)  # (H,)
+                n += int(rows.sum())
+            if n:
+                self.window_factor.copy_(torch.logit((total / n).clamp(1e-4, 1 - 1e-4)))
