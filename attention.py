@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import get_args, get_type_hints
 
@@ -405,6 +406,7 @@ class AttnSpec:
     combine: str = 'joint'    # the window form: joint | mix
     diag_block: int = 0       # > 0: block-diagonal softmax + linear (LLN+Diag)
     impl: str = 'chunked'     # the linear-attention path: quadratic | chunked | recurrent | triton
+    exact: str = ''           # KV heads kept exact softmax (their query heads, a KV cache of their own), e.g. 0+2
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -434,6 +436,8 @@ class AttnSpec:
                          (self.cache < 0 or (self.cache and (not self.window or self.name == 'softmax')),
                           "cache (>= 0) belongs to a window with a linear part (its state scores the pairs)"),
                          (self.cache_block < 1, "cache_block must be >= 1"),
+                         (self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact),
+                          "exact takes KV head indices joined by +, e.g. exact=0+2"),
                          (self.impl == 'triton' and self.window, "the window hybrid has no triton path"),
                          (self.name == 'softmax' and (self.diag_block or self.combine != 'joint'),
                           "softmax takes a window and sinks, no diag_block or combine"),

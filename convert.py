@@ -60,6 +60,8 @@ class ConvertConfig:
     dof_lambda: float = 2 ** -4   # lambda of tr(G (G + lambda I)^-1) (the paper's value for GPT-2)
     dof_samples: int = 256        # J, the points sampled per head
     dof_clip: bool = False        # DoF + Clip: at most head_dim per layer (hedgehog: 2 head_dim), not redistributed
+    exact_heads: int = 0          # > 0: this many KV heads (of all layers') stay exact softmax (spec exact=)
+    exact_rank: Literal['probe', 'random'] = 'probe'   # which: the teacher's retrieval probe's best, or at random
     stage2_iters: int = 200       # finetuning steps
     lora_rank: int = 8            # LoRA rank on every layer's q/k/v/o (alpha = 2 rank); 0 = full finetune
     stage2_lr: float = 0.0        # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
@@ -80,6 +82,8 @@ class ConvertConfig:
             raise UsageError("--dof_budget is for --attn dof or hedgehog, with --dof_lambda > 0, --dof_samples >= 2")
         if self.dof_clip and not self.dof_budget:
             raise UsageError("--dof_clip needs --dof_budget")
+        if self.exact_heads < 0 or (self.exact_heads and (self.task != 'lm' or self.spec.exact)):
+            raise UsageError("--exact_heads (>= 0) is for --task lm, with an --attn that names no exact= heads")
         self.weights = loss_weights(self.loss, self.spec)
 
 KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps l2 fits
@@ -320,8 +324,44 @@ def teacher_qk(model, batches, layers, rt):
         out[l] = (q, k, torch.cat([grow(m, 1) for m in masks]))
     return out
 
+# ---- exact heads (issue 36): the teacher's retrieval heads keep exact softmax ----
+
+@torch.no_grad()
+def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
+    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: passkey prompts of about `length` tokens
+    (train.passkey_prompts, depth 50 %; seed 1, not the test prompts' 0) with the answer teacher-forced; the attention
+    mass the head's query heads put on the key's tokens in the prompt (both mentions), averaged over the rows that
+    predict the answer's tokens, the query heads and the prompts. A soft form of Wu et al. 2024's retrieval score
+    (how often the head's largest weight is on the token being copied): it needs no correct greedy answer."""
+    cfg = model.config
+    score = torch.zeros(cfg.n_layer, cfg.n_kv_head, dtype=torch.float64)
+    prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,), samples=samples, seed=seed)
+    for p in prompts:
+        text, n = p['input'] + ' ' + p['target'], len(tok.encode(p['input']))
+        ids = tok.encode(text)[:-1]   # the rows n - 1 .. end predict the answer's tokens
+        keys = sorted({t for a, b in p['keys'] for t in range(len(tok.encode(text[:a])), len(tok.encode(text[:b])))})
+        with model.capture_qkv(teacher=True) as rec:
+            model(torch.tensor([ids], device=device))
+        for l, (q, k, _, _) in rec.items():
+            w = A.softmax_weights(q[:, :, n - 1:], k, attn_mask=A.causal_mask(len(ids) - n + 1, len(ids), q.device))
+            score[l] += w[0][..., keys].sum(-1).mean(-1).double().cpu().view(cfg.n_kv_head, -1).mean(-1) / len(prompts)
+    return score
+
+def exact_heads(scores, n, rank='probe', seed=0):
+    """{layer: sorted KV heads} of the n heads kept exact, among those scored >= 0 (L, H_kv): the n best scores
+    (rank 'probe'), or n at random (the control)."""
+    flat = scores.flatten()
+    cand = (flat >= 0).nonzero()[:, 0]
+    order = cand[flat[cand].argsort(descending=True)] if rank == 'probe' else \
+        cand[torch.randperm(len(cand), generator=torch.Generator().manual_seed(seed))]
+    out = {}
+    for i in sorted(order[:n].tolist()):
+        out.setdefault(i // scores.shape[1], []).append(i % scores.shape[1])
+    return out
+
 def swap(model, cfg, layers, qk):
-    """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k)."""
+    """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k; with
+    --exact_heads, the heads kept exact on each layer)."""
     spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
@@ -332,6 +372,13 @@ def swap(model, cfg, layers, qk):
                                                      unit, cfg.seed)
         specs = {l: replace(spec, options=tuple(sorted({**dict(spec.options), 'feature_dim': d}.items())))
                  for l, d in dims.items()}
+    if cfg.exact_heads:
+        scores = retrieval_scores(model, model.tokenizer, next(model.parameters()).device)
+        scores[[l for l in range(len(scores)) if l not in layers]] = -1.0   # heads of converted layers only
+        out.update(retrieval_scores=scores.tolist(), exact_heads=exact_heads(scores, cfg.exact_heads, cfg.exact_rank,
+                                                                                cfg.seed))
+        specs.update({l: replace(specs[l], exact='+'.join(map(str, h))) for l, h in out['exact_heads'].items()})
+        print(f"exact KV heads ({cfg.exact_rank}): {out['exact_heads']}", flush=True)
     for l, s in specs.items():
         model.set_attention(s, [l])
     return out

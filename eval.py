@@ -16,7 +16,6 @@ import itertools
 import json
 import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -303,7 +302,6 @@ def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
             return out
     return Adapter()
 
-PASSKEY_FILLER = 'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. '
 PASSKEY_YAML = """task: passkey_retrieval
 dataset_path: json
 dataset_kwargs: {{data_files: {{test: {path}}}}}
@@ -319,23 +317,9 @@ metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}
 """
 
 def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
-    """Passkey retrieval (Mohtashami & Jaggi 2023) as a local lm-eval task in `folder`: as their prompt, lines of the
-    task, the filler before (none at depth 0), the key sentence, the filler after and the question; about `length`
-    tokens of `tok`, the key at `depth` % of the filler. Ours: at depth 100 % one filler sentence (about 25 tokens)
-    still separates the key from the question (with none, SmolLM2 answered 'a key that is used to ...' in 5 of 18
-    prompts at 512-2K tokens). Scored: the first number of the greedy answer equals the key (exact match)."""
-    rng, rows = random.Random(seed), []
-    intro = 'There is important info hidden inside a lot of irrelevant text. Find it and memorize it.'
-    question = 'What is the pass key? The pass key is'
-    per_filler = len(tok.encode(PASSKEY_FILLER))
-    for length, depth, i in itertools.product(lengths, depths, range(samples)):
-        key = rng.randint(10000, 99999)
-        needle = f'The pass key is {key}. Remember it. {key} is the pass key.'
-        n = max((length - len(tok.encode('\n'.join([intro, '', needle, '', question])))) // per_filler, 0)
-        before = round(max(n - 1, 0) * depth / 100)   # depth 100 %: one filler sentence still follows the key
-        parts = [intro, (PASSKEY_FILLER * before).strip(), needle, (PASSKEY_FILLER * (n - before)).strip(), question]
-        text = '\n'.join(p for p in parts if p)
-        rows.append(dict(input=text, target=str(key), length=length, depth=depth, tokens=len(tok.encode(text))))
+    """Passkey retrieval (train.passkey_prompts) as a local lm-eval task in `folder`. Scored: the first number of the
+    greedy answer equals the key (exact match)."""
+    rows = train.passkey_prompts(tok, lengths, depths, samples, seed)
     os.makedirs(folder, exist_ok=True)
     path = os.path.abspath(os.path.join(folder, 'passkey.jsonl'))
     with open(path, 'w') as f:

@@ -318,8 +318,16 @@ class Attention(nn.Module):
             raise UsageError(f"attention spec '{spec}': the sparse cache follows the tokens (causal models only)")
         self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
         self.chunk_size, self.share = 64, None   # chunk_size: the linear paths' speed setting, not the outputs'
+        H_kv, exact = n_heads // kv_groups, sorted({int(h) for h in spec.exact.split('+')} if spec.exact else ())
+        if exact and (exact[-1] >= H_kv or len(exact) == H_kv):
+            raise UsageError(f"attention spec '{spec}': exact names some of the KV heads 0..{H_kv - 1}, not all")
+        heads = torch.arange(n_heads).view(H_kv, kv_groups)   # query heads by KV head
+        self.exact_q = heads[exact].flatten().tolist()         # the query heads kept exact, with their KV heads
+        self.rest_q = heads[[h for h in range(H_kv) if h not in exact]].flatten().tolist()
+        self.order = torch.tensor(self.exact_q + self.rest_q).argsort().tolist()   # [exact | rest] -> head order
         options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
         options.update(spec.options)  # the spec's own max_len wins
+        n_heads = len(self.rest_q)   # the maps and factors: of the heads that are not exact
         self.fmap = None if spec.name == 'softmax' else A.FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
         self.mode = 'window' if spec.window else 'softmax' if self.fmap is None else 'diag' if spec.diag_block else \
             'linear'
@@ -342,10 +350,21 @@ class Attention(nn.Module):
             raise ValueError("key_padding_mask is for bidirectional (encoder) attention only")
         if state is not None and not self.causal:
             raise ValueError("a bidirectional core has no decode state")
+        if self.exact_q:   # exact heads (spec exact=) with a KV cache of their own, beside the rest
+            e, r, kpm = self.exact_q, self.rest_q, key_padding_mask
+            ye, se = self._softmax_parallel(q[:, e], k[:, e], v[:, e], kpm, return_state) if state is None else \
+                self._softmax_decode(q[:, e], k[:, e], v[:, e], state.exact)
+            yr, sr = self._run(q[:, r], k[:, r], v[:, r], state and state.rest, return_state, kpm)
+            y = torch.cat([ye.to(yr.dtype), yr], 1)[:, self.order]
+            return (y, SplitState(se, sr)) if return_state else y
+        y, state = self._run(q, k, v, state, return_state, key_padding_mask)
+        return (y, state) if return_state else y
+
+    def _run(self, q, k, v, state, return_state, key_padding_mask):
+        """The mode's method for this phase: (y, the new state)."""
         if self.mode == 'softmax':
-            y, state = self._softmax_parallel(q, k, v, key_padding_mask, return_state) if state is None else \
+            return self._softmax_parallel(q, k, v, key_padding_mask, return_state) if state is None else \
                 self._softmax_decode(q, k, v, state)
-            return (y, state) if return_state else y
         with torch.autocast(q.device.type, enabled=False):   # float32 inside (float64 stays); y in v's dtype
             q, k, v32 = acc(q), acc(k), acc(v)
             if self.mode == 'linear':
@@ -357,7 +376,7 @@ class Attention(nn.Module):
                 y, state = self._window_parallel(q, k, v32, key_padding_mask, return_state)
             else:   # decoding, and LoLA's cache (it runs the decode schedule from the start)
                 y, state = self._window_decode(q, k, v32, state)
-        return (y.to(v.dtype), state) if return_state else y.to(v.dtype)
+        return y.to(v.dtype), state
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""
@@ -496,6 +515,7 @@ class Attention(nn.Module):
         tokens): LLN's statistics of the real tokens; mix's s = the teacher's mean softmax mass in the softmax part
         (window and sinks) over the rows that also see other keys, exact for an average row (clamped to [1e-4,
         1 - 1e-4]), one sequence at a time (H x T x T floats)."""
+        q, k = q[:, self.rest_q], k[:, self.rest_q]   # the heads with a map (exact heads need nothing)
         B, H, T, _ = q.shape
         real = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
         if hasattr(self.fmap, 'calibrate'):

@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -292,6 +293,34 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
     nll = total_nll / total
     return {'nll': nll, 'ppl': math.exp(nll), 'tokens_scored': total, 'windows': len(windows),
             'context': context, 'stride': stride}
+
+# ---- passkey retrieval prompts (eval.py's task, convert.py's retrieval probe) ----
+
+PASSKEY_FILLER = 'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. '
+
+def passkey_prompts(tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
+    """Passkey retrieval prompts (Mohtashami & Jaggi 2023), `samples` per length and depth: as their prompt, lines of
+    the task, the filler before (none at depth 0), the key sentence, the filler after and the question; about
+    `length` tokens of `tok`, the key at `depth` % of the filler. Ours: at depth 100 % one filler sentence (about 25
+    tokens) still separates the key from the question (with none, SmolLM2 answered 'a key that is used to ...' in 5
+    of 18 prompts at 512-2K tokens). Rows: input, target (the key), length, depth, tokens, keys (the key's two
+    character spans in input)."""
+    rng, rows = random.Random(seed), []
+    intro = 'There is important info hidden inside a lot of irrelevant text. Find it and memorize it.'
+    question = 'What is the pass key? The pass key is'
+    per_filler = len(tok.encode(PASSKEY_FILLER))
+    for length, depth, i in itertools.product(lengths, depths, range(samples)):
+        key = rng.randint(10000, 99999)
+        needle = f'The pass key is {key}. Remember it. {key} is the pass key.'
+        n = max((length - len(tok.encode('\n'.join([intro, '', needle, '', question])))) // per_filler, 0)
+        before = round(max(n - 1, 0) * depth / 100)   # depth 100 %: one filler sentence still follows the key
+        parts = [intro, (PASSKEY_FILLER * before).strip(), needle, (PASSKEY_FILLER * (n - before)).strip(), question]
+        text = '\n'.join(p for p in parts if p)
+        at = text.index(needle)
+        keys = [(at + j, at + j + 5) for j in (needle.index(str(key)), needle.rindex(str(key)))]
+        rows.append(dict(input=text, target=str(key), length=length, depth=depth, tokens=len(tok.encode(text)),
+                         keys=keys))
+    return rows
 
 # ---- GLUE: files, metrics, the classifier ------------------------------------
 

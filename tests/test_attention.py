@@ -863,3 +863,34 @@ def test_chunked_on_cuda_without_triton_runs_pytorch(monkeypatch):
     assert v.as_subclass(FakeCuda).is_cuda and rel_err(got.as_subclass(torch.Tensor), want) < 1e-5
     with pytest.raises(A.UsageError, match="impl='triton' needs"):   # asked for by name: a clear error
         A.linear_attention(*(x.as_subclass(FakeCuda) for x in (phi_q, phi_k, v)), impl='triton')
+
+
+@pytest.mark.parametrize('spec', ['lolcats:window=4:exact=1', 'softmax:window=4:sinks=1:exact=0', 'hedgehog:exact=2',
+                                  'lolcats:window=3:cache=2:cache_block=3:exact=0+2', 'lln:diag_block=4:exact=1'])
+def test_exact_heads(spec):
+    """Issue 36: KV heads kept exact (spec exact=) run softmax over every key for their query heads, as a softmax core
+    on those heads alone computes in float64; the other heads are the core without them (the same maps); decoding
+    equals the parallel form; the state holds a KV cache of the exact heads only, beside the rest's own state."""
+    g, Hq, T = 2, 6, 23   # 3 KV heads of 2 query heads each
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, Hq, T, D, generator=gen)
+    k, v = (torch.randn(2, Hq // g, T, D, generator=gen).repeat_interleave(g, 1) for _ in range(2))
+    core = Hy.Attention(spec, D, Hq, kv_groups=g).eval()
+    exact = [int(h) for h in A.AttnSpec.parse(spec).exact.split('+')]
+    e = [h for h in range(Hq) if h // g in exact]
+    r = [h for h in range(Hq) if h not in e]
+    y = core(q, k, v)
+    ref = A.softmax_attention(q[:, e].double(), k[:, e].double(), v[:, e].double())
+    assert rel_err(y[:, e], ref) < 1e-6
+    rest = Hy.Attention(dataclasses.replace(A.AttnSpec.parse(spec), exact=''), D, len(r), kv_groups=g).eval()
+    rest.load_state_dict(core.state_dict())
+    assert rel_err(y[:, r], rest(q[:, r], k[:, r], v[:, r])) < 1e-6
+    _, st = core(q[:, :, :9], k[:, :, :9], v[:, :, :9], return_state=True)
+    outs = [y[:, :, :9]]
+    for t in range(9, T):
+        yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        outs.append(yt)
+    assert rel_err(torch.cat(outs, 2), y) < 1e-5
+    assert st.exact.n == T and st.exact.k.shape[:2] == (2, len(exact))
+    kv = 2 * st.exact.k.numel() * 4   # k and v, the whole capacity, float32
+    assert Hy.state_nbytes(st) == kv + Hy.state_nbytes(st.rest) and Hy.state_nbytes(st.rest) > 0

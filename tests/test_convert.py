@@ -2,6 +2,7 @@
 finetuning, saving and reloading through model.load), on tiny random GPT-2 / Llama (GQA) / BERT HuggingFace
 checkpoints written in the test with transformers' save_pretrained."""
 import json
+import math
 import os
 import random
 
@@ -13,6 +14,7 @@ import attention as A
 import hybrids as Hy
 import convert as C
 import model as M
+import train
 
 VOCAB = 257  # train.py's byte tokenizer (offline): 256 bytes + end-of-text
 
@@ -409,3 +411,53 @@ def test_l2_refused_for_a_map_that_does_not_estimate_the_kernel(capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and 'dof, performer, taylor' in err and 'lolcats' in err
     assert C.loss_weights('l2', A.AttnSpec('dof')) == {'l2': 1.0}
+
+
+def test_retrieval_scores_against_the_weights_by_hand(ckpts):
+    """Issue 36: the probe's score of each KV head, recomputed from the teacher's q and k with the full causal
+    softmax matrix in float64: the mass on the key's tokens, over the answer rows, query heads and prompts."""
+    model, _ = M.load(ckpts['llama'])   # 4 query heads, 2 KV heads
+    tok = train.get_tokenizer('', model, verbose=False)
+    got = C.retrieval_scores(model, tok, 'cpu', length=120, samples=2)
+    want = torch.zeros_like(got)
+    for p in train.passkey_prompts(tok, [120], depths=(50,), samples=2, seed=1):
+        text, n = p['input'] + ' ' + p['target'], len(tok.encode(p['input']))
+        ids = tok.encode(text)[:-1]
+        keys = [t for a, b in p['keys'] for t in range(len(tok.encode(text[:a])), len(tok.encode(text[:b])))]
+        assert tok.decode([tok.encode(text)[t] for t in keys[:5]]) == p['target']   # the key's tokens (bytes)
+        with torch.no_grad(), model.capture_qkv(teacher=True) as rec:
+            model(torch.tensor([ids]))
+        for l, (q, k, _, _) in rec.items():
+            s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            w = torch.softmax(s.masked_fill(~torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), -math.inf), -1)
+            want[l] += w[0, :, n - 1:][..., keys].sum(-1).mean(-1).view(2, 2).mean(-1) / 2
+    assert torch.allclose(got, want, atol=1e-5) and (got > 0).all()
+    assert C.exact_heads(got, 3) == {l: sorted(h) for l, h in _top(got, 3).items()}
+    rand = C.exact_heads(got, 3, 'random', seed=5)
+    assert sum(map(len, rand.values())) == 3 and rand == C.exact_heads(got, 3, 'random', seed=5)
+
+
+def _top(scores, n):
+    out = {}
+    for i in sorted(range(scores.numel()), key=lambda i: -scores.flatten()[i])[:n]:
+        out.setdefault(i // scores.shape[1], []).append(i % scores.shape[1])
+    return out
+
+
+def test_convert_with_exact_heads(ckpts, text_file, tmp_path):
+    """Issue 36: --exact_heads 2 keeps the probe's two best KV heads exact (per layer in the saved specs), trains the
+    rest, saves the scores and the choice; the folder reloads, and decoding equals the full forward pass."""
+    out = tmp_path / 'exact'
+    s = _run(_args(ckpts['llama'], text_file, out, '--attn', 'hedgehog:window=4', '--exact_heads', '2',
+                   '--stage1_iters', '3', '--stage2_iters', '2'))
+    chosen = {int(l): h for l, h in s['exact_heads'].items()}
+    assert sum(map(len, chosen.values())) == 2 and chosen == C.exact_heads(torch.tensor(s['retrieval_scores']), 2)
+    m = M.load(str(out))[0].eval()
+    specs = [c.spec for c in m.attention_cores()]
+    assert [s.exact for s in specs] == ['+'.join(map(str, chosen.get(l, []))) for l in range(len(specs))]
+    x = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        full, (_, st) = m(x)[0], m.prefill(x[:, :5])
+        for t in range(5, 12):
+            logits, st = m.decode_step(x[:, t], t, st)
+            assert torch.allclose(logits, full[:, t], atol=1e-4)
