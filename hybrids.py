@@ -319,8 +319,10 @@ class Attention(nn.Module):
         self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
         self.chunk_size, self.share = 64, None   # chunk_size: the linear paths' speed setting, not the outputs'
         H_kv, exact = n_heads // kv_groups, sorted({int(h) for h in spec.exact.split('+')} if spec.exact else ())
-        if exact and (exact[-1] >= H_kv or len(exact) == H_kv):
-            raise UsageError(f"attention spec '{spec}': exact names some of the KV heads 0..{H_kv - 1}, not all")
+        if exact and exact[-1] >= H_kv:
+            raise UsageError(f"attention spec '{spec}': exact names KV heads of 0..{H_kv - 1}")
+        everything = len(exact) == H_kv   # every head exact: the layer is exact softmax
+        exact = [] if everything else exact
         heads = torch.arange(n_heads).view(H_kv, kv_groups)   # query heads by KV head
         self.exact_q = heads[exact].flatten().tolist()         # the query heads kept exact, with their KV heads
         self.rest_q = heads[[h for h in range(H_kv) if h not in exact]].flatten().tolist()
@@ -328,9 +330,10 @@ class Attention(nn.Module):
         options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
         options.update(spec.options)  # the spec's own max_len wins
         n_heads = len(self.rest_q)   # the maps and factors: of the heads that are not exact
-        self.fmap = None if spec.name == 'softmax' else A.FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
-        self.mode = 'window' if spec.window else 'softmax' if self.fmap is None else 'diag' if spec.diag_block else \
-            'linear'
+        self.fmap = None if spec.name == 'softmax' or everything else \
+            A.FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
+        self.mode = 'softmax' if everything else 'window' if spec.window else 'softmax' if self.fmap is None else \
+            'diag' if spec.diag_block else 'linear'
         if spec.window and self.fmap is not None:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197)
             theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0  # mix: s = 1/2 until calibrate() sets it
             self.window_factor = nn.Parameter(torch.full((n_heads,), theta))
@@ -520,7 +523,7 @@ class Attention(nn.Module):
         real = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
         if hasattr(self.fmap, 'calibrate'):
             self.fmap.calibrate(*(x.transpose(1, 2)[real.bool()].transpose(0, 1)[None] for x in (q, k)))  # (1, H, N, D)
-        if self.window and self.spec.combine == 'mix':
+        if self.window and self.fmap is not None and self.spec.combine == 'mix':
             j = torch.arange(T, device=q.device)
             seen = A.causal_mask(T, T, q.device) if self.causal else torch.ones(T, T, dtype=torch.bool, device=q.device)
             soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen  # (T, T)

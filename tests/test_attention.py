@@ -894,3 +894,6 @@ def test_exact_heads(spec):
     assert st.exact.n == T and st.exact.k.shape[:2] == (2, len(exact))
     kv = 2 * st.exact.k.numel() * 4   # k and v, the whole capacity, float32
     assert Hy.state_nbytes(st) == kv + Hy.state_nbytes(st.rest) and Hy.state_nbytes(st.rest) > 0
+    every = Hy.Attention(dataclasses.replace(A.AttnSpec.parse(spec), exact='0+1+2'), D, Hq, kv_groups=g)
+    assert every.mode == 'softmax' and every.fmap is None and not list(every.parameters())   # the layer is softmax
+    assert rel_err(every(q, k, v), A.softmax_attention(q.double(), k.double(), v.double())) < 1e-6
