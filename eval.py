@@ -691,13 +691,14 @@ def bench_forward(part, lengths, specs, device):
     return rows
 
 @torch.no_grad()
-def bench_decode(lengths, specs, device, model=None):
+def bench_decode(lengths, specs, device, model=None, teacher=True):
     """Per-token decode time and memory at generated length L, greedy: model.prefill builds the state of the first
     L - DECODE_STEPS - 2 tokens (the KV cache or recurrent state generation would hold), then Timer.timeit runs 2
     warm-up and DECODE_STEPS timed model.decode_step calls up to L (their mean); memory: the attention state (exact)
-    and the process RSS. Random models of softmax and each map, or `model`'s attention against its softmax teacher."""
+    and the process RSS. Random models of softmax and each map, or `model`'s attention against its softmax teacher
+    (teacher=False: alone)."""
     rows, own = [], specs if model is None else [(describe_attention(model), None)]
-    for label, spec in [('softmax', attention.AttnSpec())] + own:
+    for label, spec in [('softmax', attention.AttnSpec())] * (model is None or teacher) + own:
         m = model if model is not None else bench_model(spec, max(lengths) + 1, 1, 2, 128, device)
         with m.capture_qkv(layers=(), teacher=model is not None and label == 'softmax'):   # the teacher mode only
             for L in lengths:
@@ -765,7 +766,7 @@ def report_bench(args):
                                    f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
         mine = describe_attention(model) if part == 'decode' and model else ', '.join(cfg['maps'])
         log(f'{part}: {mine} vs softmax at lengths {lengths}')
-        res[part] = bench_decode(lengths, specs, args.device, model) if part == 'decode' else \
+        res[part] = bench_decode(lengths, specs, args.device, model, args.teacher) if part == 'decode' else \
             bench_forward(part, lengths, specs, args.device)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
     os.makedirs(args.out_dir, exist_ok=True)
@@ -816,6 +817,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     prompt: list[str] = field(default_factory=list)   # generate: a prompt (repeat the flag for several)
     maps: str = ''                # maps against softmax, with options (exp:t=2): bench (default elu), fidelity
                                   # (default for a softmax model: elu,performer,cosformer,taylor,hedgehog)
+    teacher: bool = True          # bench decode --ckpt: time its softmax teacher too (--no_teacher: the model only)
     qk: Literal['model', 'teacher'] = 'model'   # fidelity: q, k from the model's own pass, or from its softmax
                                                 # teacher's (every core in teacher mode, as convert.py measures it)
     heads: str = ''               # fidelity figures: layer:head pairs, e.g. 0:0,11:3 (default first and last layer,

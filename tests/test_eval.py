@@ -400,6 +400,8 @@ def test_bench_decode_on_a_checkpoint(tmp_path):
     assert dec[('softmax', 40)]['state_mb'] > dec[('softmax', 8)]['state_mb']
     assert dec[('hedgehog:window=4', 40)]['state_mb'] == dec[('hedgehog:window=4', 8)]['state_mb']
     assert tmp_path.joinpath('out', 'bench.md').exists()
+    assert _run(['--bench', 'decode', '--ckpt', ckpt, '--sweep', '8', '--no_teacher', '--out_dir', out]) == 0
+    assert [r['attn'] for r in _json(out, 'bench')['decode']] == ['hedgehog:window=4']   # the model alone
 
 
 def test_peak_memory_of_an_allocation():
