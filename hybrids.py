@@ -303,8 +303,10 @@ class Attention(nn.Module):
     factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v repeated to H heads (the maps
     are per query head); kv_groups = H / H_kv. max_len: cosformer's M unless the spec sets it (the model's
     block_size). The mode is fixed here: softmax (exact, or with spec window: sliding-window softmax alone, 'window'),
-    linear, window (the sliding-window hybrid, LoLA's cache), diag (LLN+Diag). share: after a window forward, each
-    row's share of attention on the softmax part (B, H, T), detached.
+    linear, window (the sliding-window hybrid, LoLA's cache), diag (LLN+Diag). Exact heads (spec exact=): the query
+    heads of those KV heads run exact softmax with a KV cache of their own, the others the mode, with maps of their
+    own (SplitState); every KV head exact is a softmax layer. share: after a window forward, each row's share of
+    attention on the softmax part (B, H_rest, T), detached.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
@@ -332,8 +334,8 @@ class Attention(nn.Module):
         n_heads = len(self.rest_q)   # the maps and factors: of the heads that are not exact
         self.fmap = None if spec.name == 'softmax' or everything else \
             A.FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
-        self.mode = 'softmax' if everything else 'window' if spec.window else 'softmax' if self.fmap is None else \
-            'diag' if spec.diag_block else 'linear'
+        self.mode = 'softmax' if everything or (self.fmap is None and not spec.window) else 'window' if spec.window \
+            else 'diag' if spec.diag_block else 'linear'
         if spec.window and self.fmap is not None:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197)
             theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0  # mix: s = 1/2 until calibrate() sets it
             self.window_factor = nn.Parameter(torch.full((n_heads,), theta))
