@@ -474,6 +474,9 @@ def _fmt_time(s):
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
+def _rate(x):   # 67.2k, or 41.0 when below a thousand (a 1024-token step every 25 s is not 0.0k)
+    return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.1f}"
+
 def progress(what, done, before, total, t0, unit='tokens'):
     """A long report's progress line, `what: done/total unit | rate | eta`, when done passes a tenth of total."""
     if done * 10 // max(total, 1) > before * 10 // max(total, 1):
@@ -617,7 +620,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
                 if step % max(1, cfg.max_iters // 10) == 0 or step == cfg.max_iters:   # ten progress lines a run
                     dt = (time.time() - clock[0]) / max(step - clock[1], 1)     # clock: (time, step) of the last one
                     print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
-                          f"{tokens / max(dt, 1e-9) / 1e3:.1f}k tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}",
+                          f"{_rate(tokens / max(dt, 1e-9))} tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}",
                           flush=True)
                     clock = time.time(), step
             if rt.master and (cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_iters):
