@@ -159,8 +159,27 @@ def test_value_dim_split_across_programs():
 
 @needs_kernel
 def test_large_feature_dim():
-    """F = 256 (upper end of the design range): forward splits D into blocks of 32."""
+    """F = 256 (upper end of the design range): the launches loop over several feature blocks."""
     check((1, 1, 20, 256, 16), torch.float32, chunk=16)
+
+
+@needs_kernel
+@pytest.mark.parametrize('form', ['bf16', 'tf32'])
+def test_gpu_block_sizes(monkeypatch, form):
+    """The interpreter runs the 'ieee' blocks; here it runs those a GPU takes for bf16 (or tf32) operands, with F and
+    D not multiples of them (masked last blocks, several blocks in every loop), shifts and both states."""
+    monkeypatch.setitem(K.BLOCKS, 'ieee', K.BLOCKS[form])
+    check((1, 1, 40, 160, 80), torch.float32, init=True, with_state=True, chunk=16, shifts=True)
+
+
+def test_grids_fill_an_h100():
+    """Issue 34: at B=1, H=12, T=32K, Hedgehog's F=128, D=64, bf16, the largest forward and backward launches have at
+    least 132 programs (an H100's SMs); chunk-parallel launches have one program per (chunk, head, block)."""
+    grids = {name: grid for name, (_, grid, _) in K._launches(12, 32768, 128, 64, 64, K._cfg(torch.bfloat16, False))
+             .items()}
+    size = {name: math.prod(g) for name, g in grids.items()}
+    assert max(size['fwd state'], size['fwd out']) >= 132 and max(v for n, v in size.items() if 'bwd' in n) >= 132
+    assert grids['fwd out'][:2] == grids['bwd dqk'][:2] == grids['bwd dv'][:2] == (512, 12)
 
 
 @needs_kernel
