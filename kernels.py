@@ -1,6 +1,6 @@
 """
-Causal linear attention in Triton: the naive reference, four kernels in five launches, the autograd wrapper, a CUDA
-benchmark.
+Causal linear attention in Triton: the naive reference, four kernels in five launches, the autograd wrapper, a static
+estimate of their time on an H100 (--plan), a CUDA benchmark.
 
 What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values v (B, H, T, D):
 
@@ -24,7 +24,7 @@ before it, in units exp(-M_j-1); r_t = exp(M_j-1 - m_t)):
     den  = rowsum(A) + q . z_j r + eps                (BLOCK_T,)          fp32, in the same kernel
     y    = num / den ;   S_j+1 = S_j exp(M_j-1 - M_j) + k^T (v exp(c_s - M_j)), z_j+1 likewise with colsum(k)
 The denominator comes from the same A and z, not from a separate pass (where published kernels had silent gradient
-bugs). Launches (B*H = BH; grids at B=1, H=12, T=32K, F=128, D=64, bf16 in brackets):
+bugs). Launches (B*H = BH; grids at B=1, H=12, T=32K, F=128, D=64, bf16 in brackets; `python kernels.py --plan`):
 
     fwd state   _state_kernel     (BH, F/BF, D/BD) (12, 4, 2): walks the chunks, stores S_j, z_j; holds the
                                   (BF, BD) = (32, 32) fp32 state
@@ -350,12 +350,11 @@ def _cfg(dtype, tf32):
                 PRECISION='ieee' if INTERPRET or (dtype == torch.float32 and not tf32) else 'tf32')
 
 def _run(launch, *args, **flags):
-    kernel, grid, meta = launch
+    (kernel, grid, meta) = launch
     kernel[grid](*args, **meta, **flags)
 
 def _states(x, T, F, D, chunk, cfg):
-    """Empty per-chunk states (B*H, NT, F, D) in bf16 for bf16 operands (the dots read them in bf16), else fp32, and
-    (B*H, NT, F) fp32."""
+    """Empty per-chunk states (B*H, NT, F, D), bf16 for bf16 operands, else fp32, and their z (B*H, NT, F) fp32."""
     nt, dt = triton.cdiv(T, chunk), torch.bfloat16 if cfg['BF16'] else torch.float32
     return x.new_empty(x.shape[0], nt, F, D, dtype=dt), x.new_empty(x.shape[0], nt, F, dtype=torch.float32)
 
@@ -463,20 +462,77 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
                                           int(chunk_size), allow_tf32)
     return (out[0], out[1:] if shifted else out[1:3]) if return_state else out
 
-if __name__ == '__main__':  # python kernels.py [--T 1024,4096,16384] [--dtype bfloat16] [--F 128] [--D 64]: CUDA only
+# ---- the static estimate (python kernels.py --plan) ------------------------------------------------------------
+HBM, PEAK, SMS = 3.35e12, 989e12, 132   # an H100 SXM: bytes/s, bf16 dense tensor-core FLOP/s, SMs
+
+def _plan(B, H, T, F, D, chunk=DEFAULT_CHUNK):
+    """name -> (grid, bytes, FLOPs) of every launch with bf16 operands: every tile a program loads or stores, once
+    (no cache reuse assumed); the tl.dot FLOPs at full chunks (the masked halves of the (BT, BT) blocks included)."""
+    BH, C, L = B * H, chunk, _launches(B * H, T, F, D, chunk, dict(BF16=True, PRECISION='tf32'))
+    x, rows, nt = BH * T * 2, BH * T * 4, BH * triton.cdiv(T, C)   # bytes: a bf16 column, an fp32 one; chunks
+    hz = lambda n_z: nt * (2 * F * D + 4 * F * n_z)   # noqa: E731  bf16 states (F, D), their z (F,) read n_z times
+    (fs, ds), n = L['fwd state'][1][1:], {name: grid[2] for name, (_, grid, _) in L.items()}
+    cost = {'fwd state': (x * (ds * F + fs * D) + hz(1) + rows * fs * ds, 2 * BH * T * F * D),
+            'fwd out': (x * (2 * F * n['fwd out'] + 2 * D) + hz(n['fwd out']) + rows * (2 * n['fwd out'] + 1),
+                        2 * BH * T * (C * F * n['fwd out'] + F * D + C * D)),
+            'bwd dstate': (x * (ds * F + fs * D) + hz(1) + 3 * rows * fs * ds, 2 * BH * T * F * D),
+            'bwd dqk': (x * (2 * D * n['bwd dqk'] + 4 * F) + 2 * hz(1) + 4 * rows * n['bwd dqk'],
+                        2 * BH * T * (C * D * n['bwd dqk'] + 2 * D * F + 2 * C * F)),
+            'bwd dv': (x * (2 * F * n['bwd dv'] + 2 * D) + hz(0) + 3 * rows * n['bwd dv'],
+                       2 * BH * T * (C * F * n['bwd dv'] + F * D + C * D))}
+    return {name: (L[name][1], *cost[name]) for name in L}
+
+PLAN_NOTE = """\
+Each launch takes max(bytes / 3.35 TB/s, FLOPs / 989 TFLOP/s), an H100 SXM's HBM3 and bf16 dense tensor-core
+peaks, divided by min(1, programs / 132 SMs). Bytes: every tile each program loads or stores, once per program (no
+cache reuse); FLOPs: its tl.dot products at full tiles. The backward runs 'fwd state' again. Not counted: the PyTorch
+glue (the running max, dy.y, reshapes) and launch overheads. SDPA: 2 B H T^2 D FLOPs forward (causal), 2.5x that
+backward (FlashAttention-2's count), at 989 TFLOP/s: a time it cannot beat. This is the figure a GPU run of
+"""
+
+def _seconds(grid, nbytes, flops):
+    """The roofline time of one launch on an H100, stretched by the share of its SMs the grid leaves idle."""
+    return max(nbytes / HBM, flops / PEAK) / min(1., grid[0] * grid[1] * grid[2] / SMS)
+
+def _print_plan(B, H, Ts, F, D):
+    """python kernels.py --plan: every launch's grid, bytes, FLOPs and time at each T, then fwd and fwd+bwd vs SDPA."""
+    print(f'python kernels.py --plan: a static estimate, not a measurement; B={B} H={H} F={F} D={D}, bf16 operands, '
+          f'BLOCK_T={DEFAULT_CHUNK}.\n' + PLAN_NOTE + f'`python kernels.py --B {B} --F {F} --D {D} --T ...` is to be '
+          'checked against.\n')
+    print(f'{"T":>6}  {"launch":<11}{"grid":<16}{"MB":>9}{"GFLOP":>9}{"us":>9}')
+    rows = []
+    for T in Ts:
+        plan, us = _plan(B, H, T, F, D), {}
+        for name, (grid, nbytes, flops) in plan.items():
+            us[name] = _seconds(grid, nbytes, flops) * 1e6
+            print(f'{T:>6}  {name:<11}{str(grid):<16}{nbytes / 1e6:>9.1f}{flops / 1e9:>9.2f}{us[name]:>9.1f}')
+        fwd, sdpa = us['fwd state'] + us['fwd out'], 2 * B * H * T * T * D / PEAK * 1e6
+        rows.append((T, fwd, sdpa, fwd + sum(v for k, v in us.items() if k != 'fwd out'), 3.5 * sdpa))
+    print(f'\n{"T":>6} {"fwd us":>9} {"SDPA fwd":>9} {"ratio":>6} {"fwd+bwd":>9} {"SDPA f+b":>9} {"ratio":>6}')
+    for T, f, s, fb, sfb in rows:
+        print(f'{T:>6} {f:>9.1f} {s:>9.1f} {s / f:>5.1f}x {fb:>9.1f} {sfb:>9.1f} {sfb / fb:>5.1f}x')
+
+if __name__ == '__main__':  # python kernels.py [--plan] [--T 1024,4096] [--B 4] [--dtype bfloat16] [--F 128] [--D 64]
     import argparse
-    p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch SDPA (CUDA).')
-    p.add_argument('--T', default='1024,4096,16384', help='comma-separated sequence lengths')
+    p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch SDPA (CUDA), or '
+                                            'print its static estimate (--plan, no GPU needed).')
+    p.add_argument('--plan', action='store_true', help="print each launch's grid, bytes, FLOPs (bf16) and the time "
+                   "they imply on an H100, beside SDPA's (T default 1K..64K); no GPU needed")
+    p.add_argument('--T', default=None, help='comma-separated sequence lengths (default 1024,4096,16384)')
+    p.add_argument('--B', type=int, default=4, help='batch size (12 heads)')
     p.add_argument('--dtype', default='bfloat16', choices=['float32', 'bfloat16', 'float16'])
     p.add_argument('--F', type=int, default=128, help='feature dimension (the kernel: F <= 256)')
     p.add_argument('--D', type=int, default=64, help='head dimension (the kernel: D <= 128)')
     a = p.parse_args()
+    if a.plan:
+        Ts = [int(t) for t in (a.T or ','.join(str(1024 << i) for i in range(7))).split(',')]   # 1K..64K
+        raise SystemExit(_print_plan(a.B, 12, Ts, a.F, a.D) if HAS_TRITON else 'kernels.py --plan needs triton')
     if not (HAS_TRITON and torch.cuda.is_available()):
         raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU (tests/test_kernels.py: on CPU)')
-    B, H, dt = 4, 12, getattr(torch, a.dtype)
+    B, H, dt = a.B, 12, getattr(torch, a.dtype)
     print(f'B={B} H={H} F={a.F} D={a.D} {a.dtype}: median ms (triton.testing.do_bench), fwd / fwd+bwd')
     print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}')
-    for T in map(int, a.T.split(',')):
+    for T in map(int, (a.T or '1024,4096,16384').split(',')):
         x = [torch.randn(B, H, T, a.D, device='cuda', dtype=dt, requires_grad=True) for _ in range(3)]
         pq, pk = (torch.rand(B, H, T, a.F, device='cuda', dtype=dt, requires_grad=True) for _ in range(2))
         fns = {'kernel': lambda: causal_linear_attention(pq, pk, x[2]),
