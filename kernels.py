@@ -61,7 +61,8 @@ exp-based features overflow fp16 (65504 = e^11). fp32 multiplies in 'tf32' if to
 (or allow_tf32=True), else 'ieee'; fp16 always in 'tf32' (exact for it). Gradients are written in each input's dtype.
 
 CPU. With TRITON_INTERPRET=1 set before import, the kernels run in Triton's interpreter on CPU tensors (the
-tests; bf16 operands are upcast there: the interpreter's bf16 tl.dot is wrong).
+tests; bf16 operands are upcast there: the interpreter's bf16 tl.dot is wrong), with blocks of their own (fewer
+programs; tests/test_kernels.py also runs the GPU blocks there).
 """
 
 import contextlib
@@ -328,14 +329,16 @@ if HAS_TRITON:
 # test_kernels_compile.py); fp32 operands take twice the registers and shared memory of bf16 ones, and 'ieee' products
 # (FMA, no tensor cores) hold whole rows of their operands.
 BLOCKS = {'bf16': ((32, 32, 4), (64, 64, 8), (64, 64, 8)), 'tf32': ((32, 32, 4), (32, 32, 8), (64, 32, 8)),
-          'ieee': ((16, 16, 8), (32, 32, 8), (32, 32, 8))}
+          'ieee': ((16, 16, 8), (32, 32, 8), (32, 32, 8)),
+          'interpreter': ((64, 64, 4), (64, 64, 4), (64, 64, 4))}   # few programs: it runs them one at a time
 
 def _launches(BH, T, F, D, chunk, cfg):
     """Every launch, name -> (kernel, grid, meta: blocks, num_warps, cfg (BF16, PRECISION)). The backward runs
     'fwd state' again (the states are recomputed, not saved), then the other three 'bwd' launches."""
     p2 = lambda b, n: max(16, min(b, triton.next_power_of_2(n)))   # noqa: E731
     (sf, sd, sw), (bf, bd, bw), (qf, qd, qw) = ((p2(f, F), p2(d, D), w) for f, d, w in
-                                                BLOCKS['bf16' if cfg['BF16'] else cfg['PRECISION']])
+                                                BLOCKS['interpreter' if INTERPRET else 'bf16' if cfg['BF16'] else
+                                                       cfg['PRECISION']])
     meta = lambda f, d, w: dict(BLOCK_T=chunk, BLOCK_F=f, BLOCK_D=d, num_warps=w, **cfg)   # noqa: E731
     nt, seq_grid = triton.cdiv(T, chunk), (BH, triton.cdiv(F, sf), triton.cdiv(D, sd))
     return {'fwd state': (_state_kernel, seq_grid, dict(REVERSE=False, **meta(sf, sd, sw))),
@@ -490,10 +493,6 @@ glue (the running max, dy.y, reshapes) and launch overheads. SDPA: 2 B H T^2 D F
 backward (FlashAttention-2's count), at 989 TFLOP/s: a time it cannot beat. This is the figure a GPU run of
 """
 
-def _seconds(grid, nbytes, flops):
-    """The roofline time of one launch on an H100, stretched by the share of its SMs the grid leaves idle."""
-    return max(nbytes / HBM, flops / PEAK) / min(1., grid[0] * grid[1] * grid[2] / SMS)
-
 def _print_plan(B, H, Ts, F, D):
     """python kernels.py --plan: every launch's grid, bytes, FLOPs and time at each T, then fwd and fwd+bwd vs SDPA."""
     print(f'python kernels.py --plan: a static estimate, not a measurement; B={B} H={H} F={F} D={D}, bf16 operands, '
@@ -504,7 +503,7 @@ def _print_plan(B, H, Ts, F, D):
     for T in Ts:
         plan, us = _plan(B, H, T, F, D), {}
         for name, (grid, nbytes, flops) in plan.items():
-            us[name] = _seconds(grid, nbytes, flops) * 1e6
+            us[name] = max(nbytes / HBM, flops / PEAK) / min(1., grid[0] * grid[1] * grid[2] / SMS) * 1e6   # roofline
             print(f'{T:>6}  {name:<11}{str(grid):<16}{nbytes / 1e6:>9.1f}{flops / 1e9:>9.2f}{us[name]:>9.1f}')
         fwd, sdpa = us['fwd state'] + us['fwd out'], 2 * B * H * T * T * D / PEAK * 1e6
         rows.append((T, fwd, sdpa, fwd + sum(v for k, v in us.items() if k != 'fwd out'), 3.5 * sdpa))

@@ -164,12 +164,13 @@ def test_large_feature_dim():
 
 
 @needs_kernel
-@pytest.mark.parametrize('form', ['bf16', 'tf32'])
+@pytest.mark.parametrize('form', ['bf16', 'tf32', 'ieee'])
 def test_gpu_block_sizes(monkeypatch, form):
-    """The interpreter runs the 'ieee' blocks; here it runs those a GPU takes for bf16 (or tf32) operands, with F and
-    D not multiples of them (masked last blocks, several blocks in every loop), shifts and both states."""
-    monkeypatch.setitem(K.BLOCKS, 'ieee', K.BLOCKS[form])
-    check((1, 1, 40, 160, 80), torch.float32, init=True, with_state=True, chunk=16, shifts=True)
+    """The interpreter runs its own large blocks; here it runs those a GPU takes for bf16, fp16 or fp32 ('tf32') or fp32
+    ('ieee') operands, with F and D not multiples of them (masked last blocks, several blocks in every loop), shifts
+    and both states."""
+    monkeypatch.setitem(K.BLOCKS, 'interpreter', K.BLOCKS[form])
+    check((1, 1, 40, 80, 80), torch.float32, init=True, with_state=True, chunk=16, shifts=True)
 
 
 def test_grids_fill_an_h100():
