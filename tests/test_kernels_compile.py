@@ -102,7 +102,7 @@ def check(cases):
     import kernels as K
     failures = []
     print(f'triton {K.triton.__version__}; B*H=12, T=32768; limits: shared {SHARED_LIMIT} B, stack 0')
-    print(f'{"arch":<6}{"dtype":<10}{"F":>4}{"D":>4}  {"launch":<16}{"grid":<15}{"blocks":<12}{"warps":>5}'
+    print(f'{"arch":<6}{"dtype":<10}{"F":>4}{"D":>4}  {"launch":<17}{"grid":<15}{"blocks":<12}{"warps":>5}'
           f'{"regs":>6}{"stack":>6}{"shared":>8}{"STL":>5}{"MMA":>5}')
     for F, D, dt in cases:
         dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(dt, torch.float32)
@@ -112,7 +112,7 @@ def check(cases):
                 flags = [dict(HAS_INIT=False, STORE_FINAL=False), dict(HAS_INIT=True, STORE_FINAL=True)] \
                     if 'state' in name else [{}]
                 for fl in flags:
-                    label = f'sm_{arch:<3}{dt:<10}{F:>4}{D:>4}  {name + (" +init" if fl.get("HAS_INIT") else ""):<16}'
+                    label = f'sm_{arch:<3}{dt:<10}{F:>4}{D:>4}  {name + (" +init" if fl.get("HAS_INIT") else ""):<17}'
                     try:
                         r = compile_launch(kernel, {**meta, **fl}, arch, dt[:4])
                     except Exception as e:  # a compile error
