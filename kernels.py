@@ -37,11 +37,11 @@ bugs). Launches (B*H = BH; grids at B=1, H=12, T=32K, F=128, D=64, bf16 in brack
                                   G (BT, BT), dq (BT, BF), dk^T (BF, BT) accumulated over value blocks of 64
     bwd dv      _bwd_dv_kernel    (NT, BH, D/BD) (512, 12, 1): dv of one chunk; holds P^T (BT, BT), k dS (BT, BD)
                                   accumulated over feature blocks of 64
-Blocks and warps: BLOCKS and _launches, the largest that compile without spills for sm_80 and sm_90
-(tests/test_kernels_compile.py). The stored states cost memory: (BH, NT, F, D) in the operands' dtype if bf16 (the
-dots read them in bf16 anyway: the same rounding), else fp32, and z (BH, NT, F) fp32, 2 F D / 64 + 4 F / 64 bytes
-per token and head: 264 B at F=128, D=64 (q and k in bf16: 512 B), 104 MB at B=1, H=12, T=32K; 1,040 B at F=256,
-D=128. The forward frees them; the backward holds two sets (states and their gradients).
+Blocks and warps: BLOCKS and _launches, large blocks that compile without spills, registers to spare, for sm_80 and
+sm_90 (tests/test_kernels_compile.py). The stored states cost memory: (BH, NT, F, D) in the operands' dtype if bf16
+(the dots read them in bf16 anyway: the same rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands
+2 F D / 64 + 4 F / 64 bytes per token and head: 264 B at F=128, D=64 (q and k in bf16: 512 B), 104 MB at B=1, H=12,
+T=32K; 1,040 B at F=256, D=128. The forward frees them; the backward holds two sets (states and their gradients).
 
 Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and delta_t = dy_t . y_t:
     g_t = dL/dnum_t = dy_t rden_t,   r_t = dL/dden_t = -delta_t rden_t,   G_ts = dL/dP_ts = g_t . v_s + r_t
