@@ -160,8 +160,48 @@ def test_value_dim_split_across_programs():
 
 @needs_kernel
 def test_large_feature_dim():
-    """F = 256 (upper end of the design range): forward splits D into blocks of 32."""
+    """F = 256 (upper end of the design range): the launches loop over several feature blocks."""
     check((1, 1, 20, 256, 16), torch.float32, chunk=16)
+
+
+@needs_kernel
+@pytest.mark.parametrize('form', ['bf16', 'tf32', 'ieee'])
+def test_gpu_block_sizes(monkeypatch, form):
+    """The interpreter runs its own large blocks; here it runs those a GPU takes for bf16, fp16 or fp32 ('tf32') or fp32
+    ('ieee') operands, with F and D not multiples of them (masked last blocks, several blocks in every loop), shifts
+    and both states."""
+    monkeypatch.setitem(K.BLOCKS, 'interpreter', K.BLOCKS[form])
+    check((1, 1, 40, 80, 80), torch.float32, init=True, with_state=True, chunk=16, shifts=True)
+
+
+def test_grids_fill_an_h100():
+    """Issue 34: at B=1, H=12, T=32K, Hedgehog's F=128, D=64, bf16, the largest forward and backward launches have at
+    least 132 programs (an H100's SMs); chunk-parallel launches have one program per (chunk, head, block)."""
+    grids = {name: grid for name, (_, grid, _) in K._launches(12, 32768, 128, 64, 64, K._cfg(torch.bfloat16, False))
+             .items()}
+    size = {name: math.prod(g) for name, g in grids.items()}
+    assert max(size['fwd state'], size['fwd out']) >= 132 and max(v for n, v in size.items() if 'bwd' in n) >= 132
+    assert grids['fwd out'][:2] == grids['bwd dqk'][:2] == grids['bwd dv'][:2] == (512, 12)
+
+
+def test_plan_prints_the_static_estimate():
+    """`python kernels.py --plan` runs without a GPU; its numbers for 'fwd out' at T=32K, B=1 against a hand count:
+    per chunk and head 2 BT^2 F (q k^T) + 2 BT F D (q S) + 2 BT^2 D (A v) FLOPs; bytes: q, k, v, y in bf16, the
+    bf16 states (F, D) and fp32 z (F,) per chunk, c, m, 1/den (fp32 per row); SDPA: 2 B H T^2 D FLOPs at 989 TFLOP/s."""
+    r = subprocess.run([sys.executable, 'kernels.py', '--plan', '--B', '1', '--T', '1024,32768'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    B, H, T, F, D, BT = 1, 12, 32768, 128, 64, 64
+    n = B * H * T // BT   # chunks x heads: the programs of 'fwd out' (one value block)
+    flops = n * (2 * BT * BT * F + 2 * BT * F * D + 2 * BT * BT * D)
+    nbytes = B * H * T * (2 * F + 2 * D) * 2 + n * (F * D * 2 + F * 4) + B * H * T * 3 * 4
+    line = next(x for x in r.stdout.splitlines() if x.split()[:3] == ['32768', 'fwd', 'out'])
+    assert line.split()[3:6] == ['(512,', '12,', '1)'], line
+    assert float(line.split()[6]) == round(nbytes / 1e6, 1) and float(line.split()[7]) == round(flops / 1e9, 2)
+    assert float(line.split()[8]) == round(nbytes / 3.35e12 * 1e6, 1)   # memory-bound, the grid fills the SMs
+    summary = next(x for x in r.stdout.splitlines() if x.split()[:1] == ['32768'] and x.endswith('x'))
+    assert float(summary.split()[2]) == round(2 * B * H * T * T * D / 989e12 * 1e6, 1)   # SDPA forward, us
+    assert 'checked against' in r.stdout
 
 
 @needs_kernel
