@@ -529,14 +529,21 @@ if __name__ == '__main__':  # python kernels.py [--plan] [--T 1024,4096] [--B 4]
     if not (HAS_TRITON and torch.cuda.is_available()):
         raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU (tests/test_kernels.py: on CPU)')
     B, H, dt = a.B, 12, getattr(torch, a.dtype)
-    print(f'B={B} H={H} F={a.F} D={a.D} {a.dtype}: median ms (triton.testing.do_bench), fwd / fwd+bwd')
-    print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}')
+    import importlib.util
+    fla = importlib.util.find_spec('fla') and importlib.import_module('fla.ops.linear_attn').chunk_linear_attn
+    print(f'B={B} H={H} F={a.F} D={a.D} {a.dtype}: median ms (triton.testing.do_bench), fwd / fwd+bwd' +
+          ('; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) layout made untimed'
+           if fla else ' (pip install flash-linear-attention adds its chunk_linear_attn)'))
+    print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}' + f' {"fla":>16} {"kernel vs fla":>13}' * bool(fla))
     for T in map(int, (a.T or '1024,4096,16384').split(',')):
         x = [torch.randn(B, H, T, a.D, device='cuda', dtype=dt, requires_grad=True) for _ in range(3)]
         pq, pk = (torch.rand(B, H, T, a.F, device='cuda', dtype=dt, requires_grad=True) for _ in range(2))
         fns = {'kernel': lambda: causal_linear_attention(pq, pk, x[2]),
                'reference': lambda: causal_linear_attention_reference(pq, pk, x[2]),
                'sdpa': lambda: torch.nn.functional.scaled_dot_product_attention(*x, is_causal=True)}
+        if fla:   # (B, T, H, .) leaves; scale 1: phi_q and phi_k are already the features
+            qkv = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (pq, pk, x[2])]
+            fns['fla'] = lambda: fla(*qkv, scale=1.0, normalize=True)[0]
         cells = []
         for fn in fns.values():
             try:
@@ -545,4 +552,7 @@ if __name__ == '__main__':  # python kernels.py [--plan] [--T 1024,4096] [--B 4]
             except torch.OutOfMemoryError:
                 cells.append('out of memory')
             torch.cuda.empty_cache()
+        if fla:   # relative difference of the outputs, fp32 norms
+            y, yf = causal_linear_attention(pq, pk, x[2]).float(), fns['fla']().transpose(1, 2).float()
+            cells.append(f'{((y - yf).norm() / y.norm()).item():.1e}')
         print(f'{T:>6} ' + ' '.join(f'{c:>16}' for c in cells))
