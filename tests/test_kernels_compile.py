@@ -32,8 +32,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 QUICK = [(128, 64, 'bf16')]
 FULL = [(F, D, dt) for D in (32, 64, 128) for F in (D, 2 * D) for dt in ('bf16', 'fp16', 'fp32', 'fp32-tf32')]
-OPERANDS = {'Q', 'K', 'V', 'Y', 'X', 'DY', 'DQ', 'DK', 'DV'}   # pointers in the operands' dtype (the states H, DH: if
-# bf16); the others fp32
+OPTIONAL = {'fwd state': ('S_INIT', 'Z_INIT', 'S_END', 'Z_END'),
+            'bwd dstate': ('DS_END', 'DZ_END', 'DS_INIT', 'DZ_INIT')}   # pointers that may be None
+OPERANDS = {'Q', 'K', 'V', 'Y', 'DY', 'DQ', 'DK', 'DV'}   # pointers in the operands' dtype (the states
+# STATES, DSTATES: if bf16); the others fp32
 
 
 def _bin_dir():
@@ -57,11 +59,11 @@ def compile_launch(kernel, meta, arch, dtype):
     warps = meta.pop('num_warps')
     sig, attrs = {}, {}
     for i, (name, p) in enumerate(zip(kernel.arg_names, kernel.params)):
-        if p.is_constexpr:
+        if p.is_constexpr or name in meta:   # a constexpr, or an optional pointer passed as None
             sig[name] = 'constexpr'
             continue
         sig[name] = 'i32' if name in ('T', 'F', 'D') else 'fp32' if name == 'eps' else \
-            '*' + dtype if name in OPERANDS or (name in ('H', 'DH') and dtype == 'bf16') else '*fp32'
+            '*' + dtype if name in OPERANDS or (name in ('STATES', 'DSTATES') and dtype == 'bf16') else '*fp32'
         if name != 'eps':   # 16-byte aligned pointers; T, F, D multiples of 16
             attrs[(i,)] = [['tt.divisibility', 16]]
     compiled = triton.compile(ASTSource(kernel, sig, meta, attrs), target=GPUTarget('cuda', arch, 32),
@@ -109,10 +111,11 @@ def check(cases):
         for arch in (80, 90):
             for name, (kernel, grid, meta) in K._launches(12, 32768, F, D, K.DEFAULT_CHUNK,
                                                           K._cfg(dtype, dt == 'fp32-tf32')).items():
-                flags = [dict(HAS_INIT=False, STORE_FINAL=False), dict(HAS_INIT=True, STORE_FINAL=True)] \
-                    if 'state' in name else [{}]
+                # the sequential passes with their optional states (initial, final) as None, then given
+                flags = [dict.fromkeys(OPTIONAL[name]), {}] if name in OPTIONAL else [{}]
                 for fl in flags:
-                    label = f'sm_{arch:<3}{dt:<10}{F:>4}{D:>4}  {name + (" +init" if fl.get("HAS_INIT") else ""):<17}'
+                    launch = name + (' +init' if name in OPTIONAL and not fl else '')
+                    label = f'sm_{arch:<3}{dt:<10}{F:>4}{D:>4}  {launch:<17}'
                     try:
                         r = compile_launch(kernel, {**meta, **fl}, arch, dt[:4])
                     except Exception as e:  # a compile error
