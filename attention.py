@@ -23,7 +23,7 @@ from typing import get_args, get_type_hints
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.nn.functional as nnf   # F is the feature dimension
 
 import kernels
 
@@ -52,7 +52,7 @@ def softmax_attention(q, k, v, causal=True, attn_mask=None):
     """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool (B, H, T_q,
     T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
     causal = causal and attn_mask is None and q.shape[-2] > 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    return nnf.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 def causal_mask(T_q, T_k, device=None):
     """(T_q, T_k) bool, True where query i (at absolute position T_k - T_q + i) may see key j."""
@@ -110,13 +110,13 @@ class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D, no parameters."""
 
     def phi(self, x, which, offset):
-        return F.elu(x) + 1
+        return nnf.elu(x) + 1
 
 class ReluFeatureMap(FeatureMap):
     """phi(x) = ReLU(x) (Kasai et al. 2021; cosFormer, Qin et al. 2022, without its re-weighting); F = D."""
 
     def phi(self, x, which, offset):
-        return F.relu(x)
+        return nnf.relu(x)
 
 class T2RFeatureMap(FeatureMap):
     """phi(x) = ReLU(W x + b), trained, shared by q and k (T2R, Kasai et al. 2021, Eq. 4); per head W (F, D),
@@ -130,7 +130,7 @@ class T2RFeatureMap(FeatureMap):
         self.bias = nn.Parameter(torch.empty(n_heads, self.feature_dim).uniform_(-bound, bound))
 
     def phi(self, x, which, offset):
-        return F.relu(_per_head_linear(x, self.weight, self.bias))
+        return nnf.relu(_per_head_linear(x, self.weight, self.bias))
 
 def _orthogonal_gaussian(n_heads, m, d, generator=None):
     """(n_heads, m, d) orthogonal random features (Choromanski et al. 2020, Sec. 2.4): blocks of d orthogonal
@@ -181,7 +181,7 @@ class CosformerFeatureMap(FeatureMap):
         if offset + T > self.max_len:
             raise UsageError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} (set it larger)")
         angle = math.pi / (2 * self.max_len) * torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
-        return torch.cat([F.relu(x) * angle.cos()[:, None], F.relu(x) * angle.sin()[:, None]], dim=-1)
+        return torch.cat([nnf.relu(x) * angle.cos()[:, None], nnf.relu(x) * angle.sin()[:, None]], dim=-1)
 
 class TaylorFeatureMap(FeatureMap):
     """2nd-order Taylor of exp (Hedgehog Sec. 4.1; Based, Arora et al. 2024): phi(x) = [1, x / D^1/4,
@@ -235,7 +235,7 @@ class HedgehogFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         u = self.project(x)
         if self.activation in ('elu', 'relu'):  # LoLCATs' one-sided features
-            return F.elu(u) + 1 if self.activation == 'elu' else F.relu(u)
+            return nnf.elu(u) + 1 if self.activation == 'elu' else nnf.relu(u)
         f = torch.exp if self.log_domain else lambda t: torch.softmax(t, dim=-1)
         return torch.cat([f(u), f(-u)], dim=-1)
 
@@ -256,7 +256,7 @@ class LolcatsFeatureMap(HedgehogFeatureMap):
 
     def project(self, x):
         width = self.weight.shape[1]
-        return super().project(x) + F.pad(x[..., :width], (0, max(width - self.head_dim, 0)))
+        return super().project(x) + nnf.pad(x[..., :width], (0, max(width - self.head_dim, 0)))
 
 LLN_MATCH = ('paper', 'entropy', 'none')
 
@@ -470,53 +470,101 @@ class AttnSpec:
         return ':'.join([self.name] + parts)
 
 # ---- 4. linear attention: quadratic, chunked, recurrent, triton -------------
-def scaled_keys(k, c, M):  # phi_k_s exp(c_s - M): keys in units of exp(-M), M >= every c_s (B, H, T, F)
+# The PyTorch forms return unnormalised parts: the normaliser rides along as a value column of ones,
+# [S | z] = sum_s phi_k_s [v_s | 1]^T (B, H, F, D + 1), so num and den come out of one product.
+# Key shifts (c, with the running max m and the state's units M): see linear_attention_parts.
+
+def scaled_keys(k, c, M):
+    """phi_k_s exp(c_s - M): keys (B, H, T, F) in units of exp(-M), M >= every c_s."""
     return k * torch.exp(c - M[..., None])[..., None]
 
-def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64, initial_state=None, c_k=None):
-    """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D), den_t = phi_q_t^T z_t (B, H, T),
-    S_t, z_t over s <= t (causal) or all s, from initial_state. The normaliser rides along as a value column of ones:
-    [S | z] = sum_s phi_k_s [v_s | 1]^T, (B, H, F, D + 1). Key shifts c_k (B, H, T) (None: 0): the exact key features
-    are phi_k exp(c_k), and row t comes in units of exp(-m_t), m_t the largest c_s of the keys it sees (a running max,
-    as online softmax: every factor exp(c_s - m_t) <= 1, so no key overflows, and a row that sees only small keys keeps
-    them). Returns num, den, m (B, H, T) and the final (S, z, m), float32; initial_state (S, z[, m = 0])."""
-    q, k, v1 = acc(phi_q), acc(phi_k), F.pad(acc(v), (0, 1), value=1.0)  # v1 = [v | 1] (B, H, T, D + 1)
-    B, H, T, Fd = q.shape
+def _start(initial_state, B, H, F, D, like):
+    """The [S | z] (B, H, F, D + 1) and m (B, H) to start from: initial_state (S, z[, m = 0]), or
+    zeros with no key seen (m = NO_KEY)."""
+    if initial_state is None:
+        return like.new_zeros(B, H, F, D + 1), like.new_full((B, H), NO_KEY)
+    S, z = initial_state[0], initial_state[1]
+    m = initial_state[2] if len(initial_state) > 2 else like.new_zeros(B, H)
+    return torch.cat([S, z[..., None]], -1).to(like.dtype), m.to(like.dtype)
+
+def _final_state(k, v1, c, Sz0, m0, M):
+    """[S | z] after every key, in units of exp(-M): the start's, rescaled, plus each key's."""
+    return Sz0 * torch.exp(m0 - M)[..., None, None] + scaled_keys(k, c, M).transpose(-2, -1) @ v1
+
+def _quadratic(q, k, v1, c, m, Sz0, m0, causal):
+    """The definition, (B, H, T, T) weights A_ts = phi_q_t . phi_k_s exp(c_s - m_t) over s <= t
+    (causal) or every s, plus the starting state read in row t's units."""
+    A = (q @ k.transpose(-2, -1)) * torch.exp((c[..., None, :] - m[..., None]).clamp(max=0))
+    A = A.tril() if causal else A
+    out = A @ v1 + (q @ Sz0) * torch.exp(m0[..., None] - m)[..., None]         # (B, H, T, D + 1)
+    return out, _final_state(k, v1, c, Sz0, m0, m[..., -1])
+
+def _recurrent(q, k, v1, c, m, Sz0, m0):
+    """One token at a time, the state in row t's units:
+        [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T,   out_t = phi_q_t [S | z]."""
+    outs, Sz, m_prev = [], Sz0, m0
+    for t in range(q.shape[2]):
+        k_t = k[:, :, t] * torch.exp(c[..., t] - m[..., t])[..., None]            # (B, H, F)
+        decay = torch.exp(m_prev - m[..., t])[..., None, None]                    # (B, H, 1, 1)
+        Sz = Sz * decay + torch.einsum('bhf,bhd->bhfd', k_t, v1[:, :, t])         # (B, H, F, D + 1)
+        m_prev = m[..., t]
+        outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], Sz))                # (B, H, D + 1)
+    return torch.stack(outs, 2), Sz
+
+def _chunked(q, k, v1, c, m, Sz0, m0, C):
+    """Quadratic inside chunks of C tokens, the state carried from chunk to chunk: O(T F D / C)
+    memory. The state before chunk j is in units of exp(-M_j-1), M_j = m at chunk j's last row."""
+    B, H, T, _ = q.shape
+    n = math.ceil(T / C)
+    pad = n * C - T
+
+    def chunks(x):   # (B, H, T, E) -> (B, H, n, C, E), zero-padded
+        return nnf.pad(x, (0, 0, 0, pad)).view(B, H, n, C, x.shape[-1])
+    qc, kc, vc = chunks(q), chunks(k), chunks(v1)
+    cc = nnf.pad(c, (0, pad), value=NO_KEY).view(B, H, n, C)                 # padding: no key
+    mc = nnf.pad(m, (0, pad), 'replicate').view(B, H, n, C)
+    A = (qc @ kc.transpose(-2, -1)) * torch.exp((cc[..., None, :] - mc[..., None]).clamp(max=0))
+    M_after = mc[..., -1]                                                     # (B, H, n)
+    M_before = torch.cat([m0[..., None], M_after[..., :-1]], -1)              # (B, H, n)
+    kv = scaled_keys(kc, cc, M_after).transpose(-2, -1) @ vc                  # (B, H, n, F, D + 1)
+    states, Sz = [], Sz0
+    for j in range(n):   # Sz: the state before chunk j, then after it
+        states.append(Sz)
+        Sz = Sz * torch.exp(M_before[..., j] - M_after[..., j])[..., None, None] + kv[:, :, j]
+    r = torch.exp(M_before[..., None] - mc)[..., None]                        # (B, H, n, C, 1)
+    out = A.tril() @ vc + (qc @ torch.stack(states, 2)) * r                   # (B, H, n, C, D + 1)
+    return out.reshape(B, H, n * C, -1)[:, :, :T], Sz
+
+def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64,
+                           initial_state=None, c_k=None):
+    """Unnormalised linear attention in PyTorch: num_t = phi_q_t^T S_t (B, H, T, D),
+    den_t = phi_q_t^T z_t (B, H, T), S_t, z_t over s <= t (causal) or all s, from initial_state
+    (S, z[, m = 0]). Key shifts c_k (B, H, T) (None: 0): the exact key features are
+    phi_k exp(c_k), and row t comes in units of exp(-m_t), m_t the largest c_s of the keys it sees
+    (a running max, as online softmax: every factor exp(c_s - m_t) <= 1, so no key overflows, and a
+    row that sees only small keys keeps them). Returns num, den, m (B, H, T) and the final state
+    (S, z, m), float32. One function per form: _quadratic, _recurrent, _chunked; bidirectional
+    rows all read the final state."""
+    q, k = acc(phi_q), acc(phi_k)
+    v1 = nnf.pad(acc(v), (0, 1), value=1.0)                                  # [v | 1] (B, H, T, D + 1)
+    B, H, T, F = q.shape
     c = q.new_zeros(B, H, T) if c_k is None else acc(c_k)
-    Sz0, m0 = (q.new_zeros(B, H, Fd, v1.shape[-1]), q.new_full((B, H), NO_KEY)) if initial_state is None else \
-        (torch.cat([initial_state[0], initial_state[1][..., None]], -1).to(q.dtype),
-         initial_state[2].to(q.dtype) if len(initial_state) > 2 else q.new_zeros(B, H))
-    m = (c.cummax(-1).values if causal else c.amax(-1, keepdim=True).expand_as(c)).maximum(m0[..., None])
-    M = m[..., -1]  # (B, H): the final state's units, all keys in
-    Sz = Sz0 * torch.exp(m0 - M)[..., None, None] + scaled_keys(k, c, M).transpose(-2, -1) @ v1
-    if impl == 'quadratic':  # A_ts = phi_q_t . phi_k_s exp(c_s - m_t), s <= t (causal) or all s
-        A = (q @ k.transpose(-2, -1)) * torch.exp((c[..., None, :] - m[..., None]).clamp(max=0))
-        out = (A.tril() if causal else A) @ v1 + (q @ Sz0) * torch.exp(m0[..., None] - m)[..., None]
-    elif not causal:  # bidirectional: every row reads the final state
+    Sz0, m0 = _start(initial_state, B, H, F, v.shape[-1], q)
+    if causal:   # (B, H, T): the running max
+        m = c.cummax(-1).values.maximum(m0[..., None])
+    else:        # every row sees every key
+        m = c.amax(-1, keepdim=True).expand_as(c).maximum(m0[..., None])
+    if impl == 'quadratic':
+        out, Sz = _quadratic(q, k, v1, c, m, Sz0, m0, causal)
+    elif not causal:
+        Sz = _final_state(k, v1, c, Sz0, m0, m[..., -1])
         out = q @ Sz
-    elif impl == 'recurrent':  # one token at a time: [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v 1]
-        outs, St, mt = [], Sz0, m0
-        for t in range(T):
-            kt = k[:, :, t] * torch.exp(c[..., t] - m[..., t])[..., None]
-            St = St * torch.exp(mt - m[..., t])[..., None, None] + torch.einsum('bhf,bhd->bhfd', kt, v1[:, :, t])
-            mt = m[..., t]
-            outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], St))
-        out = torch.stack(outs, 2)
-    else:  # chunked: quadratic inside chunks of C, the state carried from chunk to chunk, O(T F D / C) memory
-        C, n = chunk_size, math.ceil(T / chunk_size)
-        qc, kc, vc = (F.pad(t, (0, 0, 0, n * C - T)).view(B, H, n, C, t.shape[-1]) for t in (q, k, v1))  # (B,H,n,C,*)
-        cc = F.pad(c, (0, n * C - T), value=NO_KEY).view(B, H, n, C)
-        mc = F.pad(m, (0, n * C - T), 'replicate').view(B, H, n, C)  # (B, H, n, C)
-        A = (qc @ kc.transpose(-2, -1)) * torch.exp((cc[..., None, :] - mc[..., None]).clamp(max=0))
-        Mc = mc[..., -1]  # (B, H, n): m after each chunk
-        Mb = torch.cat([m0[..., None], Mc[..., :-1]], -1)  # and before it
-        kv = scaled_keys(kc, cc, Mc).transpose(-2, -1) @ vc  # (B, H, n, F, D + 1): each chunk's keys, units exp(-M_j)
-        before = [Sz0]
-        for j in range(n - 1):  # the state before chunk j + 1, in units of exp(-M_j)
-            before.append(before[-1] * torch.exp(Mb[..., j] - Mc[..., j])[..., None, None] + kv[:, :, j])
-        out = A.tril() @ vc + (qc @ torch.stack(before, 2)) * torch.exp(Mb[..., None] - mc)[..., None]
-        out = out.reshape(B, H, n * C, -1)[:, :, :T]
-    return out[..., :-1], out[..., -1], m, (Sz[..., :-1], Sz[..., -1], M)  # the last column: the normaliser
+    elif impl == 'recurrent':
+        out, Sz = _recurrent(q, k, v1, c, m, Sz0, m0)
+    else:
+        out, Sz = _chunked(q, k, v1, c, m, Sz0, m0, chunk_size)
+    final = (Sz[..., :-1], Sz[..., -1], m[..., -1])   # the last column: the normaliser z
+    return out[..., :-1], out[..., -1], m, final
 
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chunk_size=64, initial_state=None,
                      return_state=False, c_k=None):
@@ -529,13 +577,13 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
         raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got {tuple(phi_q.shape)}, "
                          f"{tuple(phi_k.shape)}, {tuple(v.shape)}")
-    Fd, D = phi_q.shape[-1], v.shape[-1]
+    F, D = phi_q.shape[-1], v.shape[-1]
     if impl == 'triton' or (impl == 'chunked' and causal and v.is_cuda and kernels.triton_available(v)
-                            and kernels.supports(Fd, D)):   # CUDA without triton (Windows wheels): PyTorch
-        if not (causal and kernels.triton_available(v) and kernels.supports(Fd, D)):
+                            and kernels.supports(F, D)):   # CUDA without triton (Windows wheels): PyTorch
+        if not (causal and kernels.triton_available(v) and kernels.supports(F, D)):
             raise UsageError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
                              f"F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
-                             f"{v.device.type}, F={Fd}, D={D}: use impl='chunked'")
+                             f"{v.device.type}, F={F}, D={D}: use impl='chunked'")
         return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state, c_k=c_k)
     num, den, _, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
     den = den + eps

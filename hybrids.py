@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.nn.functional as nnf   # F is the feature dimension
 
 import attention as A
 from attention import NO_KEY, UsageError, acc, linear_attention, linear_attention_parts, softmax_attention
@@ -29,7 +29,7 @@ from attention import NO_KEY, UsageError, acc, linear_attention, linear_attentio
 def _band_blocks(x, w):
     """(B, H, T, E) -> (B, H, n = ceil(T / w), 3w, E): for each block b of w rows, blocks b - 1, b, b + 1 (0-padded)."""
     n = math.ceil(x.shape[2] / w)
-    x = F.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
+    x = nnf.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
     return x.unfold(2, 3 * w, w).transpose(-1, -2)  # windows of 3w rows every w rows
 
 def _in_window(i, j, w, causal):
@@ -68,55 +68,80 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)  # the window part's weight
     return p[..., None] * num_w / den_w[..., None] + (1 - p[..., None]) * num_l / den_l[..., None], p
 
-def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True, key_padding_mask=None,
-                            chunk_size=64):
-    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from spec: softmax over
-    W(i) = {i - window < j <= i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel:
-    exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink
-    tokens, Xiao et al. 2024), not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k:
-    0 at padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory: blocks of `window` queries, linear keys
-    shifted `window`."""
-    (B, H, T, D), w = q.shape, spec.window
-    n, N = math.ceil(T / w), min(spec.sinks, T)
-    qb = F.pad(acc(q), (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)  # (B, H, n, w, D)
-    i = (torch.arange(n, device=q.device) * w)[:, None, None] + torch.arange(w, device=q.device)[:, None]
-    j = i[:, :1] - w + torch.arange(3 * w, device=q.device)  # (n, 1, 3w): the previous, this and the next block
-    keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
-    real = _band_blocks(keys[:, None, :, None].float(), w)[..., 0] > 0.5  # (B, 1, n, 3w): not padding
-    visible = _in_window(i, j, w, causal) & real[:, :, :, None, :]  # (B, 1, n, w, 3w)
-    cut = lambda x: x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T]  # noqa: E731, (B, H, n, w, ..) -> (B, H, T, ..)
-    num_w, den_w, m = (cut(x) for x in _window_softmax(qb, _band_blocks(acc(k), w), _band_blocks(acc(v), w), visible))
-    if N:  # the sink keys outside the window: (T, N), with the padding (B, 1, T, N)
-        i, j = torch.arange(T, device=q.device)[:, None], torch.arange(N, device=q.device)
-        visible = ~_in_window(i, j, w, causal) & ((i >= j) | (not causal)) & keys[:, None, None, :N]
-        num_w, den_w, m = _merge((num_w, den_w, m), _window_softmax(acc(q), acc(k[:, :, :N]), acc(v[:, :, :N]),
-                                                                    visible))
-    if phi_q is None:  # no linear part: the softmax part alone (a row with no key gives 0)
-        return (num_w / den_w.where(den_w > 0, 1.0)[..., None]).to(v.dtype), torch.ones_like(den_w)
-    sink = torch.arange(T, device=q.device) < N  # sinks are not in the linear part
-    pk, ck = acc(phi_k) * ~sink[:, None], c_k.masked_fill(sink, NO_KEY)
-    shift = lambda x, fill=0.0: torch.cat([x.new_full((*x.shape[:2], w, *x.shape[3:]), fill), x], 2)[:, :, :T]  # noqa
-    # (shift: x_t <- x_{t - w})
-    lin = linear_attention_parts(phi_q, shift(pk), shift(v), True, spec.impl, chunk_size, c_k=shift(ck, NO_KEY))[:3]
-    if not causal:  # plus the keys j >= i + w: the same, backwards in time
-        back = linear_attention_parts(phi_q.flip(2), shift(pk.flip(2)), shift(v.flip(2)), True, spec.impl, chunk_size,
-                                      c_k=shift(ck.flip(2), NO_KEY))[:3]
-        lin = _merge(lin, [x.flip(2) for x in back])
-    num_l, den_l, m_l = lin
-    y, p = combine_window_linear(num_w, den_w, m, num_l, den_l, c_q + m_l, factor, spec.combine)
-    return y.to(v.dtype), p
+def _window_part(q, k, v, w, n_sinks, causal, keys):
+    """The softmax part of the window hybrid, unnormalised (num, den, m) per row (B, H, T, ..): the
+    row's window (blocks of w queries against the previous, this and the next block of keys) and
+    the first n_sinks keys outside it. keys (B, T): True at real (not padding) keys."""
+    B, H, T, D = q.shape
+    n = math.ceil(T / w)
+    q_blocks = nnf.pad(q, (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)      # (B, H, n, w, D)
+    rows = torch.arange(n * w, device=q.device).view(n, w, 1)                # (n, w, 1) query positions
+    cols = rows[:, :1] - w + torch.arange(3 * w, device=q.device)            # (n, 1, 3w) key positions
+    real = _band_blocks(keys[:, None, :, None].float(), w)[..., 0] > 0.5     # (B, 1, n, 3w)
+    visible = _in_window(rows, cols, w, causal) & real[:, :, :, None, :]     # (B, 1, n, w, 3w)
+    parts = _window_softmax(q_blocks, _band_blocks(k, w), _band_blocks(v, w), visible)
+    num, den, m = (x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T] for x in parts)
+    if not n_sinks:
+        return num, den, m
+    i = torch.arange(T, device=q.device)[:, None]                            # (T, 1) queries
+    j = torch.arange(n_sinks, device=q.device)                               # (N,) sink keys
+    outside = ~_in_window(i, j, w, causal) & ((i >= j) | (not causal))       # (T, N)
+    sinks = _window_softmax(q, k[:, :, :n_sinks], v[:, :, :n_sinks],
+                            outside & keys[:, None, None, :n_sinks])          # mask (B, 1, T, N)
+    return _merge((num, den, m), sinks)
+
+def _shift(x, w, fill=0.0):
+    """x_t <- x_{t - w} along time (dim 2); the first w positions filled."""
+    front = x.new_full((*x.shape[:2], w, *x.shape[3:]), fill)
+    return torch.cat([front, x], 2)[:, :, :x.shape[2]]
+
+def _linear_part(phi_q, phi_k, v, c_k, w, impl, chunk_size):
+    """The window hybrid's linear part, unnormalised (num, den, m): causal linear attention over
+    the keys that have left each row's window, i.e. over keys shifted w positions later."""
+    phi_k, v, c_k = _shift(phi_k, w), _shift(v, w), _shift(c_k, w, NO_KEY)
+    return linear_attention_parts(phi_q, phi_k, v, True, impl, chunk_size, c_k=c_k)[:3]
+
+def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True,
+                            key_padding_mask=None, chunk_size=64):
+    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from
+    spec: softmax over W(i) = {i - window < j <= i} (causal) or {|i - j| < window},
+    phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks:
+    keys j < sinks join every query's softmax part (StreamingLLM's sink tokens, Xiao et al. 2024),
+    not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k: 0 at
+    padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory. Returns y and each row's share of
+    attention on the softmax part (combine_window_linear)."""
+    B, _, T, _ = q.shape
+    n_sinks = min(spec.sinks, T)
+    keys = key_padding_mask
+    if keys is None:
+        keys = torch.ones(B, T, dtype=torch.bool, device=q.device)
+    num_w, den_w, m_w = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
+    if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
+        y = num_w / den_w.where(den_w > 0, 1.0)[..., None]
+        return y.to(v.dtype), torch.ones_like(den_w)
+    is_sink = torch.arange(T, device=q.device) < n_sinks     # sinks are not in the linear part
+    phi_k, c_k = acc(phi_k) * ~is_sink[:, None], c_k.masked_fill(is_sink, NO_KEY)
+    linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
+    if not causal:   # plus the keys j >= i + window: the same, backwards in time
+        flipped = (x.flip(2) for x in (phi_q, phi_k, v, c_k))
+        back = _linear_part(*flipped, spec.window, spec.impl, chunk_size)
+        linear = _merge(linear, [x.flip(2) for x in back])
+    num_l, den_l, m_l = linear
+    y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l, c_q + m_l, factor,
+                                     spec.combine)
+    return y.to(v.dtype), share
 
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al. 2023, Sec. 4.2."""
     B, H, T, D = q.shape
     n, pad = math.ceil(T / block), -T % block  # pad: to a whole number of blocks
-    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, t.shape[-1]) for t in (q, k, v))
+    qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, t.shape[-1]) for t in (q, k, v))
     keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
-    mask = F.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
+    mask = nnf.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
     mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril() if causal else mask
     mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself: finite
-    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
+    return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
 
 
 # ---- 2. the decode states -------------------------------------------------------
@@ -145,8 +170,8 @@ class LinearState:
     n: int            # tokens folded in (linear and diag modes: every token so far)
 
     @staticmethod
-    def empty(B, H, F_, D, like):
-        return LinearState(like.new_zeros(B, H, F_, D), like.new_zeros(B, H, F_), like.new_full((B, H), NO_KEY), 0)
+    def empty(B, H, F, D, like):
+        return LinearState(like.new_zeros(B, H, F, D), like.new_zeros(B, H, F), like.new_full((B, H), NO_KEY), 0)
 
     def fold(self, phi, c, v, n):
         """The state with pairs added: phi (B, H, L, F) shifted features, c (B, H, L) their shifts (NO_KEY: not
@@ -317,28 +342,50 @@ class Attention(nn.Module):
         if kv_groups < 1 or n_heads % kv_groups:
             raise ValueError(f"kv_groups must divide n_heads={n_heads}, got {kv_groups}")
         if spec.cache and not causal:
-            raise UsageError(f"attention spec '{spec}': the sparse cache follows the tokens (causal models only)")
+            raise UsageError(f"attention spec '{spec}': the sparse cache follows the tokens (causal "
+                             "models only)")
         self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
-        self.chunk_size, self.share = 64, None   # chunk_size: the linear paths' speed setting, not the outputs'
-        H_kv, exact = n_heads // kv_groups, sorted({int(h) for h in spec.exact.split('+')} if spec.exact else ())
-        if exact and exact[-1] >= H_kv:
-            raise UsageError(f"attention spec '{spec}': exact names KV heads of 0..{H_kv - 1}")
-        everything = len(exact) == H_kv   # every head exact: the layer is exact softmax
-        exact = [] if everything else exact
-        heads = torch.arange(n_heads).view(H_kv, kv_groups)   # query heads by KV head
-        self.exact_q = heads[exact].flatten().tolist()         # the query heads kept exact, with their KV heads
-        self.rest_q = heads[[h for h in range(H_kv) if h not in exact]].flatten().tolist()
-        self.order = torch.tensor(self.exact_q + self.rest_q).argsort().tolist()   # [exact | rest] -> head order
-        options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
-        options.update(spec.options)  # the spec's own max_len wins
-        n_heads = len(self.rest_q)   # the maps and factors: of the heads that are not exact
-        self.fmap = None if spec.name == 'softmax' or everything else \
-            A.FEATURE_MAPS[spec.name](head_dim, n_heads, **options)
-        self.mode = 'softmax' if everything or (self.fmap is None and not spec.window) else 'window' if spec.window \
-            else 'diag' if spec.diag_block else 'linear'
-        if spec.window and self.fmap is not None:  # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197)
-            theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0  # mix: s = 1/2 until calibrate() sets it
-            self.window_factor = nn.Parameter(torch.full((n_heads,), theta))
+        self.chunk_size = 64   # the linear paths' speed setting, not the outputs'
+        self.share = None
+        n_kv = n_heads // kv_groups
+        exact = self._exact_kv_heads(n_kv)
+        all_exact = len(exact) == n_kv   # every head exact: the layer is exact softmax
+        if all_exact:
+            exact = []
+        heads = torch.arange(n_heads).view(n_kv, kv_groups)   # query heads by KV head
+        rest = [h for h in range(n_kv) if h not in exact]
+        self.exact_q = heads[exact].flatten().tolist()   # the query heads kept exact
+        self.rest_q = heads[rest].flatten().tolist()     # the others, with the mode's maps
+        self.order = torch.tensor(self.exact_q + self.rest_q).argsort().tolist()   # -> head order
+        self.fmap = None
+        if spec.name != 'softmax' and not all_exact:
+            options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
+            options.update(spec.options)  # the spec's own max_len wins
+            self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
+        self.mode = self._mode(all_exact)
+        if spec.window and self.fmap is not None:
+            # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197); mix: s = 1/2 until
+            # calibrate() sets it
+            theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0
+            self.window_factor = nn.Parameter(torch.full((len(self.rest_q),), theta))
+
+    def _exact_kv_heads(self, n_kv):
+        """The KV heads spec exact= keeps as exact softmax, sorted."""
+        exact = sorted({int(h) for h in self.spec.exact.split('+')} if self.spec.exact else ())
+        if exact and exact[-1] >= n_kv:
+            raise UsageError(f"attention spec '{self.spec}': exact names KV heads of 0..{n_kv - 1}")
+        return exact
+
+    def _mode(self, all_exact):
+        """softmax (exact), window (the sliding-window hybrid, or sliding-window softmax alone),
+        diag (LLN+Diag) or linear."""
+        if all_exact or (self.fmap is None and not self.spec.window):
+            return 'softmax'
+        if self.spec.window:
+            return 'window'
+        if self.spec.diag_block:
+            return 'diag'
+        return 'linear'
 
     window = property(lambda self: self.spec.window)
 
@@ -455,9 +502,9 @@ class Attention(nn.Module):
         none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
         if self.fmap is None:
             return WindowState(0, none, none, none, None)
-        F_ = self.fmap.feature_dim
-        with_phi = replace(none, phi=q.new_zeros(B, H, 0, F_), c=q.new_zeros(B, H, 0))
-        return WindowState(0, none, with_phi, with_phi, LinearState.empty(B, H, F_, Dv, q))
+        F = self.fmap.feature_dim
+        with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
+        return WindowState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q))
 
     def _window_decode(self, q, k, v, state):
         """Tokens after a state (or from the start, with a cache) in segments within which the linear part is fixed:
