@@ -1,16 +1,21 @@
 """
 Attention, softmax and linear, in one file. In reading order:
   1. softmax attention, the reference (Vaswani et al. 2017)
-  2. feature maps phi (FEATURE_MAPS): Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of Freedom (DoF), baselines
+  2. feature maps phi (FEATURE_MAPS): Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of
+     Freedom (DoF), baselines
   3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
-  4. linear attention four ways (impl: quadratic, chunked, recurrent, triton), equal to float32 precision
+  4. linear attention four ways (impl: quadratic, chunked, recurrent, triton), equal to float32
+     precision
   5. metrics (entropy, spectral gap, monotonicity, KL) and DoF's kernel loss
-The hybrids, the decode states and the core of one layer (`Attention`) that model.py calls are in hybrids.py.
+The hybrids, the decode states and the core of one layer (`Attention`) that model.py calls are in
+hybrids.py.
 
 Linear attention, for one head (Katharopoulos et al. 2020, Eq. 4-6):
-    y_t = phi(q_t)^T S_t / phi(q_t)^T z_t,  S_t = sum_{s<=t} phi(k_s) v_s^T,  z_t = sum_{s<=t} phi(k_s)
-S (F x D), z (F) accumulate in float32; feature maps return float32; every core but exact softmax computes in float32
-also under bf16/fp16 autocast. q, k, v: (B, H, T, D = head_dim), phi (B, H, T, F).
+    y_t = phi(q_t)^T S_t / phi(q_t)^T z_t
+    S_t = sum_{s<=t} phi(k_s) v_s^T,   z_t = sum_{s<=t} phi(k_s)
+S (F x D), z (F) accumulate in float32; feature maps return float32; every core but exact softmax
+computes in float32 also under bf16/fp16 autocast. q, k, v: (B, H, T, D = head_dim);
+phi: (B, H, T, F).
 """
 
 import contextlib
@@ -27,14 +32,16 @@ import torch.nn.functional as nnf   # F is the feature dimension
 
 import kernels
 
-NO_KEY = -1e30  # the key shift of a key that is not there (padding, sinks), and the running max of a row seeing none
+# the key shift of a key that is not there (padding, sinks), and the running max of a row seeing none
+NO_KEY = -1e30
 
 class UsageError(ValueError):
-    """What the user asked for cannot be done (a flag, a spec, a path, a file's contents): the scripts' main() print it
-    in one line and exit with status 2; any other exception is a bug and keeps its traceback. (Here, at the bottom
-    of the imports, so that every module can raise it.)"""
+    """What the user asked for cannot be done (a flag, a spec, a path, a file's contents): the
+    scripts' main() print it in one line and exit with status 2; any other exception is a bug and
+    keeps its traceback. (Here, at the bottom of the imports, so that every module can raise it.)"""
 
-def acc(x):  # the accumulation dtype: float32, or float64 when given float64 (the float64 reference checks)
+def acc(x):
+    """x in the accumulation dtype: float32, or float64 when given float64 (the float64 checks)."""
     return x.double() if x.dtype == torch.float64 else x.float()
 
 def _choose(what, value, choices):
@@ -43,57 +50,66 @@ def _choose(what, value, choices):
 
 def check_qk(q, k, head_dim, n_heads):
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
     if (q.shape[1], q.shape[-1]) != (n_heads, head_dim):
-        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got q {tuple(q.shape)}")
+        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got q "
+                         f"{tuple(q.shape)}")
 
 # ---- 1. softmax attention, the reference ------------------------------------
 def softmax_attention(q, k, v, causal=True, attn_mask=None):
-    """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool (B, H, T_q,
-    T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
+    """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool
+    (B, H, T_q, T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
     causal = causal and attn_mask is None and q.shape[-2] > 1
-    return nnf.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    gqa = k.shape[1] != q.shape[1]
+    return nnf.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=gqa)
 
 def causal_mask(T_q, T_k, device=None):
     """(T_q, T_k) bool, True where query i (at absolute position T_k - T_q + i) may see key j."""
-    return torch.arange(T_k, device=device) <= torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
+    query_positions = torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
+    return torch.arange(T_k, device=device) <= query_positions
 
 def softmax_weights(q, k, causal=True, attn_mask=None):
-    """The (B, H, T, T) matrix of softmax attention, float32: its output for the identity matrix as values."""
+    """The (B, H, T, T) matrix of softmax attention, float32: its output for the identity matrix as
+    values."""
     eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
     return softmax_attention(q.float(), k.float(), eye, causal, attn_mask)
 
 # ---- 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F) ---
 class FeatureMap(nn.Module):
-    """Base class. q and k come together (LLN treats them differently; cosFormer needs positions: offset = the absolute
-    position of the first token). A map implements phi(x, which, offset), which in {'q', 'k'}, or, exp-based
-    (log_domain), the log-features log_phi(x, which, offset), phi = exp(log_phi). Range (attention sinks make q, k
-    large; Performer's and DoF's exp(-|x|^2 / 2 sqrt D) are tiny at large norms): `features` divides an exp-based
-    phi(x) by exp(c), c its detached largest log-feature, for every query and key: every feature <= 1. A query's c_q
-    cancels in its row; the keys' c_k go to linear attention, which weighs key s in row t by exp(c_s - m_t), m_t the
-    largest c_k the row sees (linear_attention_parts). forward(q, k): phi_q and phi_k with ONE key shift per sequence
-    and head (the largest), cancelling in the normalisation: plain features while the keys' scales lie within
-    float32's range (e^+-87). shift=False: no shifts."""
+    """Base class. q and k come together (LLN treats them differently; cosFormer needs positions:
+    offset = the absolute position of the first token). A map implements phi(x, which, offset),
+    which in {'q', 'k'}, or, exp-based (log_domain), the log-features log_phi(x, which, offset), phi
+    = exp(log_phi). Range (attention sinks make q, k large; Performer's and DoF's exp(-|x|^2 / 2
+    sqrt D) are tiny at large norms): `features` divides an exp-based phi(x) by exp(c), c its
+    detached largest log-feature, for every query and key: every feature <= 1. A query's c_q cancels
+    in its row; the keys' c_k go to linear attention, which weighs key s in row t by exp(c_s - m_t),
+    m_t the largest c_k the row sees (linear_attention_parts). forward(q, k): phi_q and phi_k with
+    ONE key shift per sequence and head (the largest), cancelling in the normalisation: plain
+    features while the keys' scales lie within float32's range (e^+-87). shift=False: no shifts."""
 
     log_domain = False
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
-        self.head_dim, self.n_heads, self.feature_dim, self.shift = head_dim, n_heads, head_dim, True
+        self.head_dim, self.n_heads = head_dim, n_heads
+        self.feature_dim, self.shift = head_dim, True
 
     def forward(self, q, k, offset=0):
         phi_q, phi_k, _, c_k = self.features(q, k, offset)
         return phi_q, phi_k * torch.exp(c_k - c_k.amax(-1, keepdim=True))[..., None]
 
     def features(self, q, k, offset=0):
-        """(phi_q, phi_k, c_q, c_k), c (B, H, T): phi(q) = phi_q exp(c_q), phi(k) = phi_k exp(c_k), float32 (float64
-        for float64 inputs) also under autocast; the shifts are 0 for maps that are not exp-based."""
+        """(phi_q, phi_k, c_q, c_k), c (B, H, T): phi(q) = phi_q exp(c_q), phi(k) = phi_k exp(c_k),
+        float32 (float64 for float64 inputs) also under autocast; the shifts are 0 for maps that are
+        not exp-based."""
         check_qk(q, k, self.head_dim, self.n_heads)
         with torch.autocast(q.device.type, enabled=False):
             q, k = acc(q), acc(k)
             if not self.log_domain:
                 phi_q, phi_k = self.phi(q, 'q', offset), self.phi(k, 'k', offset)
-                return phi_q, phi_k, phi_q.new_zeros(phi_q.shape[:-1]), phi_k.new_zeros(phi_k.shape[:-1])
+                no_shift = phi_q.new_zeros(phi_q.shape[:-1]), phi_k.new_zeros(phi_k.shape[:-1])
+                return phi_q, phi_k, *no_shift
             u_q, u_k = self.log_phi(q, 'q', offset), self.log_phi(k, 'k', offset)
             c_q, c_k = (u.detach().amax(-1) * self.shift for u in (u_q, u_k))
             return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None]), c_q, c_k
@@ -113,38 +129,45 @@ class EluFeatureMap(FeatureMap):
         return nnf.elu(x) + 1
 
 class ReluFeatureMap(FeatureMap):
-    """phi(x) = ReLU(x) (Kasai et al. 2021; cosFormer, Qin et al. 2022, without its re-weighting); F = D."""
+    """phi(x) = ReLU(x) (Kasai et al. 2021; cosFormer, Qin et al. 2022, without its re-weighting);
+    F = D."""
 
     def phi(self, x, which, offset):
         return nnf.relu(x)
 
 class T2RFeatureMap(FeatureMap):
-    """phi(x) = ReLU(W x + b), trained, shared by q and k (T2R, Kasai et al. 2021, Eq. 4); per head W (F, D),
-    b (F), F = feature_dim (default D), init U(-1/sqrt(D), 1/sqrt(D)) as nn.Linear."""
+    """phi(x) = ReLU(W x + b), trained, shared by q and k (T2R, Kasai et al. 2021, Eq. 4); per head
+    W (F, D), b (F), F = feature_dim (default D), init U(-1/sqrt(D), 1/sqrt(D)) as nn.Linear."""
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None):
         super().__init__(head_dim, n_heads)
         self.feature_dim = feature_dim or head_dim
         bound = 1 / math.sqrt(head_dim)
-        self.weight = nn.Parameter(torch.empty(n_heads, self.feature_dim, head_dim).uniform_(-bound, bound))
+        weight = torch.empty(n_heads, self.feature_dim, head_dim).uniform_(-bound, bound)
+        self.weight = nn.Parameter(weight)                                       # (H, F, D)
         self.bias = nn.Parameter(torch.empty(n_heads, self.feature_dim).uniform_(-bound, bound))
 
     def phi(self, x, which, offset):
         return nnf.relu(_per_head_linear(x, self.weight, self.bias))
 
 def _orthogonal_gaussian(n_heads, m, d, generator=None):
-    """(n_heads, m, d) orthogonal random features (Choromanski et al. 2020, Sec. 2.4): blocks of d orthogonal
-    rows (QR of a Gaussian, signs fixed so the rotation is Haar), each rescaled to a N(0, I_d) draw's norm."""
+    """(n_heads, m, d) orthogonal random features (Choromanski et al. 2020, Sec. 2.4): blocks of d
+    orthogonal rows (QR of a Gaussian, signs fixed so the rotation is Haar), each rescaled to a N(0,
+    I_d) draw's norm."""
     def rotation():
         qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
         return (qmat * torch.sign(torch.diagonal(r))).T
-    return torch.stack([torch.cat([rotation() for _ in range(math.ceil(m / d))])[:m] *
-                        torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True) for _ in range(n_heads)])
+
+    def head():   # (m, d): rotations stacked, rows rescaled to Gaussian norms
+        rows = torch.cat([rotation() for _ in range(math.ceil(m / d))])[:m]
+        return rows * torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True)
+    return torch.stack([head() for _ in range(n_heads)])
 
 class PerformerFeatureMap(FeatureMap):
-    """FAVOR+ (Choromanski et al. 2020, Lemma 1, Eq. 7): phi(x) = exp(w_m . x' - |x'|^2 / 2) / sqrt(M),
-    x' = x D^-1/4, w_m orthogonal N(0, I) (buffer omega): E[phi(q).phi(k)] = exp(q.k / sqrt(D)). M = feature_dim
-    (default 2D); stabilize=False: no shifts; redraw_interval > 0: new w_m every that many training calls."""
+    """FAVOR+ (Choromanski et al. 2020, Lemma 1, Eq. 7): phi(x) = exp(w_m . x' - |x'|^2 / 2) /
+    sqrt(M), x' = x D^-1/4, w_m orthogonal N(0, I) (buffer omega): E[phi(q).phi(k)] = exp(q.k /
+    sqrt(D)). M = feature_dim (default 2D); stabilize=False: no shifts; redraw_interval > 0: new w_m
+    every that many training calls."""
 
     log_domain = True
 
@@ -154,23 +177,28 @@ class PerformerFeatureMap(FeatureMap):
         self.feature_dim, self.shift = feature_dim or 2 * head_dim, bool(stabilize)
         self.redraw_interval, self.calls = redraw_interval, 0
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.register_buffer('omega', _orthogonal_gaussian(n_heads, self.feature_dim, head_dim, self.generator))
+        omega = _orthogonal_gaussian(n_heads, self.feature_dim, head_dim, self.generator)
+        self.register_buffer('omega', omega)                                     # (H, M, D)
 
     def features(self, q, k, offset=0):
         if self.training and self.redraw_interval > 0:
             if self.calls > 0 and self.calls % self.redraw_interval == 0:
-                self.omega.copy_(_orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim, self.generator))
+                omega = _orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim,
+                                             self.generator)
+                self.omega.copy_(omega)
             self.calls += 1
         return super().features(q, k, offset)
 
     def log_phi(self, x, which, offset):
         x = x * self.head_dim ** -0.25
-        return _per_head_linear(x, self.omega) - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(self.feature_dim)
+        norm2 = (x * x).sum(-1, keepdim=True)
+        return _per_head_linear(x, self.omega) - 0.5 * norm2 - 0.5 * math.log(self.feature_dim)
 
 class CosformerFeatureMap(FeatureMap):
-    """cosFormer (Qin et al. 2022, Eq. 9-11): phi(x_i) = [ReLU(x_i) cos(pi i / 2M), ReLU(x_i) sin(pi i / 2M)],
-    so phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len (default 2048, the
-    model's context length), fixed: no output depends on the tokens that follow (the paper uses the length)."""
+    """cosFormer (Qin et al. 2022, Eq. 9-11): phi(x_i) = [ReLU(x_i) cos(pi i / 2M), ReLU(x_i) sin(pi
+    i / 2M)], so phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len
+    (default 2048, the model's context length), fixed: no output depends on the tokens that follow
+    (the paper uses the length)."""
 
     def __init__(self, head_dim, n_heads, max_len: int = 2048):
         super().__init__(head_dim, n_heads)
@@ -179,26 +207,30 @@ class CosformerFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         T = x.shape[-2]
         if offset + T > self.max_len:
-            raise UsageError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} (set it larger)")
-        angle = math.pi / (2 * self.max_len) * torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
-        return torch.cat([nnf.relu(x) * angle.cos()[:, None], nnf.relu(x) * angle.sin()[:, None]], dim=-1)
+            raise UsageError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} "
+                             "(set it larger)")
+        positions = torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
+        angle = (math.pi / (2 * self.max_len) * positions)[:, None]                 # (T, 1)
+        return torch.cat([nnf.relu(x) * angle.cos(), nnf.relu(x) * angle.sin()], dim=-1)
 
 class TaylorFeatureMap(FeatureMap):
-    """2nd-order Taylor of exp (Hedgehog Sec. 4.1; Based, Arora et al. 2024): phi(x) = [1, x / D^1/4,
-    vec(x x^T) / sqrt(2D)], so phi(q).phi(k) = 1 + s + s^2 / 2, s = q.k / sqrt(D); F = 1 + D + D^2."""
+    """2nd-order Taylor of exp (Hedgehog Sec. 4.1; Based, Arora et al. 2024): phi(x) = [1, x /
+    D^1/4, vec(x x^T) / sqrt(2D)], so phi(q).phi(k) = 1 + s + s^2 / 2, s = q.k / sqrt(D); F = 1 + D
+    + D^2."""
 
     def __init__(self, head_dim, n_heads):
         super().__init__(head_dim, n_heads)
         self.feature_dim = 1 + head_dim + head_dim ** 2
 
     def phi(self, x, which, offset):
-        """x (B, H, T, D) -> (B, H, T, 1 + D + D^2): [1, x / D^1/4, vec(x x^T) / sqrt(2D)], the same for q and k."""
+        """x (B, H, T, D) -> (B, H, T, 1 + D + D^2): [1, x / D^1/4, vec(x x^T) / sqrt(2D)], the
+        same for q and k."""
         x2 = torch.einsum('bhti,bhtj->bhtij', x, x).flatten(-2) / math.sqrt(2 * self.head_dim)
         return torch.cat([torch.ones_like(x[..., :1]), x * self.head_dim ** -0.25, x2], dim=-1)
 
 class ExpFeatureMap(FeatureMap):
-    """phi(x) = exp(t x) elementwise, t = temperature (default 1) (Hedgehog Sec. 3.2: spiky but not monotonic in
-    q.k, the control for Hedgehog's map); F = D, no parameters."""
+    """phi(x) = exp(t x) elementwise, t = temperature (default 1) (Hedgehog Sec. 3.2: spiky but not
+    monotonic in q.k, the control for Hedgehog's map); F = D, no parameters."""
 
     log_domain = True
 
@@ -210,23 +242,27 @@ class ExpFeatureMap(FeatureMap):
         return self.temperature * x
 
 class HedgehogFeatureMap(FeatureMap):
-    """Hedgehog (Zhang et al. 2024, Eq. 3, 5-6): u = W x + b, a Linear(D, F/2) per head shared by q and k,
-    init W = I, b = 0; phi(x) = [softmax(u), softmax(-u)] over the features (softmax_dim=True, Eq. 5: each half
-    sums to 1, part of the map) or [exp(u), exp(-u)] (softmax_dim=False, Eq. 3). F = feature_dim, default 2D."""
+    """Hedgehog (Zhang et al. 2024, Eq. 3, 5-6): u = W x + b, a Linear(D, F/2) per head shared by q
+    and k, init W = I, b = 0; phi(x) = [softmax(u), softmax(-u)] over the features
+    (softmax_dim=True, Eq. 5: each half sums to 1, part of the map) or [exp(u), exp(-u)]
+    (softmax_dim=False, Eq. 3). F = feature_dim, default 2D."""
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None, softmax_dim: bool = True):
         super().__init__(head_dim, n_heads)
         self._mlp(feature_dim, 'softmax' if softmax_dim else 'exp', torch.eye)
 
     def _mlp(self, feature_dim, activation, init):
-        """The per-head Linear(D, width), weight init(width, D); F = 2 width for [f(u), f(-u)], else width."""
+        """The per-head Linear(D, width), weight init(width, D); F = 2 width for [f(u), f(-u)], else
+        width."""
         pm = activation in ('softmax', 'exp')
         self.activation, self.log_domain = activation, activation == 'exp'
         self.feature_dim = feature_dim or (2 if pm else 1) * self.head_dim
         if pm and self.feature_dim % 2:
-            raise UsageError(f"{activation} features [f(u), f(-u)] need an even feature_dim, got {self.feature_dim}")
+            raise UsageError(f"{activation} features [f(u), f(-u)] need an even feature_dim, got "
+                             f"{self.feature_dim}")
         width = self.feature_dim // 2 if pm else self.feature_dim
-        self.weight = nn.Parameter(init(width, self.head_dim).repeat(self.n_heads, 1, 1))  # (H, width, D)
+        weight = init(width, self.head_dim).repeat(self.n_heads, 1, 1)
+        self.weight = nn.Parameter(weight)                                       # (H, width, D)
         self.bias = nn.Parameter(torch.zeros(self.n_heads, width))
 
     def project(self, x):
@@ -244,12 +280,14 @@ class HedgehogFeatureMap(FeatureMap):
         return torch.cat([u, -u], dim=-1)
 
 class LolcatsFeatureMap(HedgehogFeatureMap):
-    """LoLCATs (Zhang et al. 2025, Eq. 6, Table 1): phi(x) = f(u), u = x W + b + x, a per-head Linear(D, F')
-    with a skip connection (its first min(D, F') coordinates), init W = 0, b = 0. activation f: 'softmax'
-    [softmax(u), softmax(-u)] or 'exp' [exp(u), exp(-u)], F = 2F' (default 2D); 'elu' 1 + ELU(u) or 'relu'
-    ReLU(u), F = F' (default D). Unlike the official code, no clamp of the features at 1e-12."""
+    """LoLCATs (Zhang et al. 2025, Eq. 6, Table 1): phi(x) = f(u), u = x W + b + x, a per-head
+    Linear(D, F') with a skip connection (its first min(D, F') coordinates), init W = 0, b = 0.
+    activation f: 'softmax' [softmax(u), softmax(-u)] or 'exp' [exp(u), exp(-u)], F = 2F' (default
+    2D); 'elu' 1 + ELU(u) or 'relu' ReLU(u), F = F' (default D). Unlike the official code, no clamp
+    of the features at 1e-12."""
 
-    def __init__(self, head_dim, n_heads, feature_dim: int | None = None, activation: str = 'softmax'):
+    def __init__(self, head_dim, n_heads, feature_dim: int | None = None,
+                 activation: str = 'softmax'):
         FeatureMap.__init__(self, head_dim, n_heads)
         _choose('lolcats activation', activation, ('softmax', 'exp', 'elu', 'relu'))
         self._mlp(feature_dim, activation, torch.zeros)
@@ -262,51 +300,62 @@ LLN_MATCH = ('paper', 'entropy', 'none')
 
 def _lln_log_weights(q, k, s2):
     """log P of LLN's bidirectional attention with alpha = beta = sqrt(s2 / 2) on q, k (n, T, D)."""
-    log_k = (torch.exp(math.sqrt(s2 / 2) * q) @ torch.exp(math.sqrt(s2 / 2) * k).transpose(-2, -1)).log()
+    t = math.sqrt(s2 / 2)
+    log_k = (torch.exp(t * q) @ torch.exp(t * k).transpose(-2, -1)).log()
     return log_k - log_k.logsumexp(-1, keepdim=True)
 
 @functools.lru_cache(maxsize=None)
 def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
-    """(a, b) of LLN's variance model sigma_lln^2 = a s~^2 + b, s~^2 = alpha^2 s_q^2 + beta^2 s_k^2 (Nahshan et
-    al. 2023, Eq. 10, App. A.7, as we read it): a line through Var[log P_ij] of LLN attention at s~^2 = 1..16
-    (n_tokens keys, q, k ~ N(0, I_D)). D = 64: a = 0.1482, b = -0.3600 (published: 0.1486, -0.3549)."""
+    """(a, b) of LLN's variance model sigma_lln^2 = a s~^2 + b, s~^2 = alpha^2 s_q^2 + beta^2 s_k^2
+    (Nahshan et al. 2023, Eq. 10, App. A.7, as we read it): a line through Var[log P_ij] of LLN
+    attention at s~^2 = 1..16 (n_tokens keys, q, k ~ N(0, I_D)). D = 64: a = 0.1482, b = -0.3600
+    (published: 0.1486, -0.3549)."""
     grid, g = torch.linspace(1.0, 16.0, 16, dtype=torch.float64), torch.Generator().manual_seed(seed)
-    ys = [_lln_log_weights(*torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64), s2).var()
-          for s2 in grid.tolist()]
+    ys = []
+    for s2 in grid.tolist():
+        q, k = torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
+        ys.append(_lln_log_weights(q, k, s2).var())
     A = torch.stack([grid, torch.ones_like(grid)], dim=1)
     return tuple(torch.linalg.lstsq(A, torch.stack(ys)[:, None]).solution.squeeze(1).tolist())
 
 @functools.lru_cache(maxsize=None)
 def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.5):
-    """match='entropy' (ours: LLN Fig. 2 in docs/RESULTS.md shows moment matching leaves LLN's rows flatter
-    than softmax's): for s^2 = 0, 0.5, .., 8 the s~^2 at which LLN's mean row entropy equals softmax's (n_tokens
-    keys, q, k ~ N(0, I_D)); LLN's entropy falls monotonically in s~^2. Returns (s^2 grid, s~^2 grid)."""
-    q, k = torch.randn(2, reps, n_tokens, head_dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    entropy = lambda log_w: -(log_w.exp() * log_w).sum(-1).mean().item()  # noqa: E731, the mean row entropy
+    """match='entropy' (ours: LLN Fig. 2 in docs/RESULTS.md shows moment matching leaves LLN's rows
+    flatter than softmax's): for s^2 = 0, 0.5, .., 8 the s~^2 at which LLN's mean row entropy equals
+    softmax's (n_tokens keys, q, k ~ N(0, I_D)); LLN's entropy falls monotonically in s~^2. Returns
+    (s^2 grid, s~^2 grid)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
+
+    def entropy(log_w):   # the mean row entropy
+        return -(log_w.exp() * log_w).sum(-1).mean().item()
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-    h_sm = torch.tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()], dtype=torch.float64)
+    h_sm = [entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()]
+    h_sm = torch.tensor(h_sm, dtype=torch.float64)
     xs, h_lln = [0.0], [math.log(n_tokens)]  # s~^2 = 0: uniform weights
     while h_lln[-1] > h_sm[-1].item() and xs[-1] < 1000:
         xs.append(xs[-1] + step)
         h_lln.append(entropy(_lln_log_weights(q, k, xs[-1])))
     h_lln = torch.tensor(h_lln, dtype=torch.float64)
     if not (h_lln[1:] < h_lln[:-1]).all() or h_lln[-1] > h_sm[-1]:
-        raise RuntimeError(f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at s^2 = {s2_max}, "
-                           f"at head_dim={head_dim}, n_tokens={n_tokens}")
+        raise RuntimeError(f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at "
+                           f"s^2 = {s2_max}, at head_dim={head_dim}, n_tokens={n_tokens}")
     return s2_grid, _interp(-h_sm, -h_lln, torch.tensor(xs, dtype=torch.float64))
 
 def _interp(x, xp, fp):
-    """Piecewise-linear interpolation of the points (xp, fp) at x, xp increasing; linear beyond both ends."""
+    """Piecewise-linear interpolation of the points (xp, fp) at x, xp increasing; linear beyond both
+    ends."""
     i = torch.searchsorted(xp, x).clamp(1, len(xp) - 1)
     return fp[i - 1] + (fp[i] - fp[i - 1]) * (x - xp[i - 1]) / (xp[i] - xp[i - 1])
 
 def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
-    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances, alpha s_q = beta s_k:
-    alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k. For the softmax log-variance s^2 = s_q^2 s_k^2,
-    s~^2 answers: 'paper' (the paper's question) equal log-variance of the attention, a s~^2 + b = s^2, (a, b)
-    = lln_fit; 'entropy' equal mean row entropy on Gaussian inputs (lln_entropy_fit); 'none' alpha = beta = 1
-    (the paper's ablation). s~^2 / 2 >= 1e-4 (the fit gives s~^2 < 0 when s^2 < b)."""
+    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances, alpha s_q =
+    beta s_k: alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k. For the softmax
+    log-variance s^2 = s_q^2 s_k^2, s~^2 answers: 'paper' (the paper's question) equal log-variance
+    of the attention, a s~^2 + b = s^2, (a, b) = lln_fit; 'entropy' equal mean row entropy on
+    Gaussian inputs (lln_entropy_fit); 'none' alpha = beta = 1 (the paper's ablation). s~^2 / 2 >=
+    1e-4 (the fit gives s~^2 < 0 when s^2 < b)."""
     _choose('LLN match', match, LLN_MATCH)
     if match == 'none':
         return torch.ones_like(sigma2_q), torch.ones_like(sigma2_k)
@@ -320,10 +369,11 @@ def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
     return half / sigma2_q.sqrt(), half / sigma2_k.sqrt()
 
 class LLNFeatureMap(FeatureMap):
-    """Linear Log-Normal attention (Nahshan et al. 2023, Eq. 9-10): phi_q = exp(alpha q), phi_k = exp(beta k),
-    alpha, beta per head by lln_alpha_beta(.., match); F = D. The variances (the official code: of the whole
-    batch and sequence, later tokens included) are buffers, init 1: set by calibrate(q, k); in training an
-    exponential moving average (momentum 0.1) updated AFTER each forward, so causal; frozen in eval mode."""
+    """Linear Log-Normal attention (Nahshan et al. 2023, Eq. 9-10): phi_q = exp(alpha q), phi_k =
+    exp(beta k), alpha, beta per head by lln_alpha_beta(.., match); F = D. The variances (the
+    official code: of the whole batch and sequence, later tokens included) are buffers, init 1: set
+    by calibrate(q, k); in training an exponential moving average (momentum 0.1) updated AFTER each
+    forward, so causal; frozen in eval mode."""
 
     log_domain = True
 
@@ -336,26 +386,31 @@ class LLNFeatureMap(FeatureMap):
 
     @torch.no_grad()
     def calibrate(self, q, k, weight=1.0):
-        """Move the statistics to those of calibration queries/keys (B, H, T, D); weight < 1: an EMA step."""
-        for sigma2, x in ((self.sigma2_q, q), (self.sigma2_k, k)):  # per head, over batch, time and dimension
-            sigma2.lerp_(x.detach().float().transpose(0, 1).flatten(1).var(1, unbiased=False).to(sigma2.dtype), weight)
+        """Move the statistics to those of calibration queries/keys (B, H, T, D); weight < 1: an EMA
+        step. Per head, over batch, time and dimension."""
+        for sigma2, x in ((self.sigma2_q, q), (self.sigma2_k, k)):
+            per_head = x.detach().float().transpose(0, 1).flatten(1)         # (H, B T D)
+            sigma2.lerp_(per_head.var(1, unbiased=False).to(sigma2.dtype), weight)
 
     def alpha_beta(self):
-        return lln_alpha_beta(self.sigma2_q.double(), self.sigma2_k.double(), self.head_dim, self.match)
+        s2_q, s2_k = self.sigma2_q.double(), self.sigma2_k.double()
+        return lln_alpha_beta(s2_q, s2_k, self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
-        return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha q or beta k
+        temperature = self.alpha_beta()[which == 'k'].to(x.dtype)      # (H,) alpha or beta
+        return temperature[None, :, None, None] * x
 
     def features(self, q, k, offset=0):
         out = super().features(q, k, offset)
-        if self.training:  # this batch's statistics are used from the next forward on (causal honesty)
+        if self.training:  # this batch's statistics count from the next forward on (causal honesty)
             self.calibrate(q, k, self.momentum)
         return out
 
 class DoFFeatureMap(FeatureMap):
-    """Learned weighted positive random features (DoF paper, Sec. 3, Eq. 8): phi(x)_m = sqrt(a_m / M)
-    exp(z_m . x / D^1/4 - |x|^2 / (2 sqrt(D))) per head, z_m init orthogonal N(0, I), a_m = exp(log_a_m), log_a
-    init 0 (Performer's unbiased estimate at init); both trained. M = feature_dim (default D)."""
+    """Learned weighted positive random features (DoF paper, Sec. 3, Eq. 8): phi(x)_m = sqrt(a_m /
+    M) exp(z_m . x / D^1/4 - |x|^2 / (2 sqrt(D))) per head, z_m init orthogonal N(0, I), a_m =
+    exp(log_a_m), log_a init 0 (Performer's unbiased estimate at init); both trained. M =
+    feature_dim (default D)."""
 
     log_domain = True
 
@@ -368,13 +423,14 @@ class DoFFeatureMap(FeatureMap):
 
     def log_phi(self, x, which, offset):
         D, M = self.head_dim, self.feature_dim
-        u = _per_head_linear(x, self.z) * D ** -0.25 - (x * x).sum(-1, keepdim=True) / (2 * math.sqrt(D))
+        norm2 = (x * x).sum(-1, keepdim=True)
+        u = _per_head_linear(x, self.z) * D ** -0.25 - norm2 / (2 * math.sqrt(D))
         return u + 0.5 * self.log_a.to(x.dtype)[None, :, None, :] - 0.5 * math.log(M)
 
-FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureMap, 'performer': PerformerFeatureMap,
-                'cosformer': CosformerFeatureMap, 'taylor': TaylorFeatureMap, 'exp': ExpFeatureMap,
-                'hedgehog': HedgehogFeatureMap, 'lolcats': LolcatsFeatureMap, 'lln': LLNFeatureMap,
-                'dof': DoFFeatureMap}
+FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureMap,
+                'performer': PerformerFeatureMap, 'cosformer': CosformerFeatureMap,
+                'taylor': TaylorFeatureMap, 'exp': ExpFeatureMap, 'hedgehog': HedgehogFeatureMap,
+                'lolcats': LolcatsFeatureMap, 'lln': LLNFeatureMap, 'dof': DoFFeatureMap}
 ATTN_CHOICES = ['softmax'] + list(FEATURE_MAPS)
 
 def make_feature_map(name, head_dim, n_heads, **options):
@@ -388,25 +444,33 @@ WINDOW_COMBINES = ('joint', 'mix')
 OPTION_ALIASES = {'t': 'temperature', 'f': 'feature_dim'}
 
 def _fits(value, annotation):
-    """value has the annotated type: int, float (an int too), bool, str, or a union such as int | None."""
-    return any(type(value) is t or (t is float and type(value) is int) for t in get_args(annotation) or (annotation,))
+    """value has the annotated type: int, float (an int too), bool, str, or a union such as
+    int | None."""
+    types = get_args(annotation) or (annotation,)
+    return any(type(value) is t or (t is float and type(value) is int) for t in types)
 
 @dataclass(frozen=True)
 class AttnSpec:
-    """The attention of a layer as 'name[:key=value..]': 'softmax', 'hedgehog:feature_dim=64', 'exp:t=2',
-    'lolcats:window=64:combine=mix', 'lln:diag_block=64'. parse reads it, str() writes it without defaults. Keys
-    other than the settings below are the map's options (t = temperature, f = feature_dim), typed by the map's
-    __init__ annotations; values are JSON where they parse (a str setting or option: as written). A changed copy:
-    dataclasses.replace(spec, impl='recurrent') (options may be a dict)."""
+    """The attention of a layer as 'name[:key=value..]': 'softmax', 'hedgehog:feature_dim=64',
+    'exp:t=2', 'lolcats:window=64:combine=mix', 'lln:diag_block=64'. parse reads it, str() writes it
+    without defaults. Keys other than the settings below are the map's options (t = temperature, f =
+    feature_dim), typed by the map's __init__ annotations; values are JSON where they parse (a str
+    setting or option: as written). A changed copy: dataclasses.replace(spec, impl='recurrent')
+    (options may be a dict)."""
     name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
-    window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs); softmax: sliding-window softmax alone
-    sinks: int = 0            # the first `sinks` tokens stay in the window's softmax part (StreamingLLM's sink tokens)
-    cache: int = 0            # > 0: LoLA's sparse cache of that many pairs in the softmax part too (causal window)
-    cache_block: int = 64     # LoLA's pending block: pairs compete for the cache each time this many left the window
+    window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs); softmax: the
+                              # sliding-window softmax alone
+    sinks: int = 0            # the first `sinks` tokens stay in the window's softmax part
+                              # (StreamingLLM's sink tokens)
+    cache: int = 0            # > 0: LoLA's sparse cache of that many pairs in the softmax part too
+                              # (causal window)
+    cache_block: int = 64     # LoLA's pending block: pairs compete for the cache each time this many
+                              # left the window
     combine: str = 'joint'    # the window form: joint | mix
     diag_block: int = 0       # > 0: block-diagonal softmax + linear (LLN+Diag)
     impl: str = 'chunked'     # the linear-attention path: quadratic | chunked | recurrent | triton
-    exact: str = ''           # KV heads kept exact softmax (their query heads, a KV cache of their own), e.g. 0+2
+    exact: str = ''           # KV heads kept exact softmax (their query heads, a KV cache of their
+                              # own), e.g. 0+2
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -456,7 +520,8 @@ class AttnSpec:
             key, eq, value = item.partition('=')
             key = OPTION_ALIASES.get(key, key)
             if not eq or key in settings or key in options:
-                raise UsageError(f"attention spec {s!r}: expected name:key=value:.. with distinct keys, got {item!r}")
+                raise UsageError(f"attention spec {s!r}: expected name:key=value:.. with distinct "
+                                 f"keys, got {item!r}")
             if cls.settings().get(key) is not str:   # a str setting stays as written ('0+2' is not JSON)
                 with contextlib.suppress(ValueError):
                     value = json.loads(value)
@@ -466,7 +531,8 @@ class AttnSpec:
     def __str__(self):
         parts = [f'{f.name}={getattr(self, f.name)}' for f in fields(self)
                  if f.name in self.settings() and getattr(self, f.name) != f.default]
-        parts += [f'{k}={v if isinstance(v, str) else json.dumps(v, default=str)}' for k, v in self.options]
+        for key, value in self.options:
+            parts.append(f'{key}={value if isinstance(value, str) else json.dumps(value, default=str)}')
         return ':'.join([self.name] + parts)
 
 # ---- 4. linear attention: quadratic, chunked, recurrent, triton -------------
@@ -501,8 +567,10 @@ def _quadratic(q, k, v1, c, m, Sz0, m0, causal):
 
 def _recurrent(q, k, v1, c, m, Sz0, m0):
     """One token at a time, the state in row t's units:
-        [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T,   out_t = phi_q_t [S | z]."""
-    outs, Sz, m_prev = [], Sz0, m0
+        [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T
+        out_t = phi_q_t [S | z]"""
+    outs = []
+    Sz, m_prev = Sz0, m0
     for t in range(q.shape[2]):
         k_t = k[:, :, t] * torch.exp(c[..., t] - m[..., t])[..., None]            # (B, H, F)
         decay = torch.exp(m_prev - m[..., t])[..., None, None]                    # (B, H, 1, 1)
@@ -546,7 +614,7 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     (S, z, m), float32. One function per form: _quadratic, _recurrent, _chunked; bidirectional
     rows all read the final state."""
     q, k = acc(phi_q), acc(phi_k)
-    v1 = nnf.pad(acc(v), (0, 1), value=1.0)                                  # [v | 1] (B, H, T, D + 1)
+    v1 = nnf.pad(acc(v), (0, 1), value=1.0)                          # [v | 1] (B, H, T, D + 1)
     B, H, T, F = q.shape
     c = q.new_zeros(B, H, T) if c_k is None else acc(c_k)
     Sz0, m0 = _start(initial_state, B, H, F, v.shape[-1], q)
@@ -566,34 +634,44 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     final = (Sz[..., :-1], Sz[..., -1], m[..., -1])   # the last column: the normaliser z
     return out[..., :-1], out[..., -1], m, final
 
-def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chunk_size=64, initial_state=None,
-                     return_state=False, c_k=None):
-    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps), 0 where that is 0 (a row whose features are all 0) (Katharopoulos
-    et al. 2020): phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y in v's dtype [, the final state, float32]; c_k: the
-    keys' shifts (linear_attention_parts). The state is (S, z), or (S, z, m) with key shifts or such an initial_state.
-    impl 'chunked' runs the Triton kernel on CUDA where triton is installed and it fits (causal, F <= 256, D <= 128),
-    else PyTorch's chunked path; 'triton' insists."""
+def _kernel_fits(causal, v, F, D):
+    """The Triton kernel runs here: causal, CUDA tensors with triton (or the interpreter), F <= 256,
+    D <= 128 (CUDA without triton, as on Windows: not)."""
+    return causal and kernels.triton_available(v) and kernels.supports(F, D)
+
+def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chunk_size=64,
+                     initial_state=None, return_state=False, c_k=None):
+    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps), 0 where that is 0 (a row whose features are all
+    0) (Katharopoulos et al. 2020): phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y in v's dtype
+    [, the final state, float32]; c_k: the keys' shifts (linear_attention_parts). The state is
+    (S, z), or (S, z, m) with key shifts or such an initial_state. impl 'chunked' runs the Triton
+    kernel on CUDA where triton is installed and it fits (causal, F <= 256, D <= 128), else
+    PyTorch's chunked path; 'triton' insists."""
     _choose('impl', impl, IMPLS)
     if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
-        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got {tuple(phi_q.shape)}, "
-                         f"{tuple(phi_k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
+                         f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
     F, D = phi_q.shape[-1], v.shape[-1]
-    if impl == 'triton' or (impl == 'chunked' and causal and v.is_cuda and kernels.triton_available(v)
-                            and kernels.supports(F, D)):   # CUDA without triton (Windows wheels): PyTorch
-        if not (causal and kernels.triton_available(v) and kernels.supports(F, D)):
-            raise UsageError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
-                             f"F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
-                             f"{v.device.type}, F={F}, D={D}: use impl='chunked'")
-        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state, c_k=c_k)
-    num, den, _, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
+    if impl == 'triton' and not _kernel_fits(causal, v, F, D):
+        raise UsageError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) "
+                         f"and F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got "
+                         f"causal={causal}, {v.device.type}, F={F}, D={D}: use impl='chunked'")
+    if impl == 'triton' or (impl == 'chunked' and v.is_cuda and _kernel_fits(causal, v, F, D)):
+        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state,
+                                               c_k=c_k)
+    parts = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
+    num, den, _, state = parts
     den = den + eps
     y = (num / den.where(den > 0, 1.0)[..., None]).to(v.dtype)
+    if not return_state:
+        return y
     shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
-    return (y, state if shifted else state[:2]) if return_state else y
+    return y, (state if shifted else state[:2])
 
 def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
-    eye = torch.eye(phi_q.shape[2], device=phi_q.device, dtype=acc(phi_q).dtype).expand(*phi_q.shape[:2], -1, -1)
+    eye = torch.eye(phi_q.shape[2], device=phi_q.device, dtype=acc(phi_q).dtype)
+    eye = eye.expand(*phi_q.shape[:2], -1, -1)                               # (B, H, T, T)
     return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', c_k=c_k)
 
 # ---- 5. metrics and DoF's kernel loss ---------------------------------------
@@ -602,8 +680,9 @@ def attention_entropy(w, eps=1e-12):
     return -(w.float() * (w.float() + eps).log()).sum(-1)
 
 def spectral_gap(w):
-    """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix -> (B, H) float64 (eigenvalues sorted by modulus,
-    lambda_1 = 1). Meant for bidirectional matrices: a causal one's eigenvalues are its diagonal."""
+    """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix -> (B, H) float64 (eigenvalues
+    sorted by modulus, lambda_1 = 1). Meant for bidirectional matrices: a causal one's eigenvalues
+    are its diagonal."""
     return 1.0 - torch.linalg.eigvals(w.double()).abs().sort(dim=-1, descending=True).values[..., 1]
 
 def ranks(x):
@@ -613,16 +692,22 @@ def ranks(x):
     return (torch.searchsorted(s, x) + torch.searchsorted(s, x, right=True) - 1).double() / 2
 
 def monotonicity(w, q, k, causal=True):
-    """How monotonic attention weights are in q.k (Hedgehog Fig. 3, Sec. 3.2): the Spearman correlation, per
-    query row, of w_ij and s_ij = q_i.k_j / sqrt(D) over the keys the row sees (rows with fewer than 3 keys
-    skipped), averaged per head. Returns (rho (B, H) float64, (scores, weights) of every visible pair, 1-D)."""
+    """How monotonic attention weights are in q.k (Hedgehog Fig. 3, Sec. 3.2): the Spearman
+    correlation, per query row, of w_ij and s_ij = q_i.k_j / sqrt(D) over the keys the row sees
+    (rows with fewer than 3 keys skipped), averaged per head. Returns (rho (B, H) float64, (scores,
+    weights) of every visible pair, 1-D)."""
     s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
-    w, T, rhos = w.double(), w.shape[-1], []
+    w, T = w.double(), w.shape[-1]
+    rhos = []
     for i in range(2 if causal else 0, w.shape[-2]):
         rs, rw = (ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
         rs, rw = rs - rs.mean(-1, keepdim=True), rw - rw.mean(-1, keepdim=True)
-        rhos.append((rs * rw).sum(-1) / ((rs.square().sum(-1) * rw.square().sum(-1)).sqrt() + 1e-30))
-    vis = causal_mask(T, T, w.device).expand_as(w) if causal else torch.ones_like(w, dtype=torch.bool)
+        norms = (rs.square().sum(-1) * rw.square().sum(-1)).sqrt()
+        rhos.append((rs * rw).sum(-1) / (norms + 1e-30))
+    if causal:
+        vis = causal_mask(T, T, w.device).expand_as(w)
+    else:
+        vis = torch.ones_like(w, dtype=torch.bool)
     return torch.stack(rhos, -1).mean(-1), (s[vis].float(), w[vis].float())
 
 def kl_divergence(p, q, eps=1e-12):
@@ -630,8 +715,11 @@ def kl_divergence(p, q, eps=1e-12):
     return (p.float() * ((p.float() + eps).log() - (q.float() + eps).log())).sum(-1)
 
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
-    """DoF's kernel loss: the mean squared error of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the
-    visible pairs (quadratic in T), unnormalised: pass exact features (fmap.features' phi_q times exp(c_q + c_k))."""
+    """DoF's kernel loss: the mean squared error of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D))
+    over the visible pairs (quadratic in T), unnormalised: pass exact features (fmap.features' phi_q
+    times exp(c_q + c_k))."""
     err = (phi_q.float() @ phi_k.float().transpose(-2, -1) -
            torch.exp((q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5)).square()
-    return err.masked_select(causal_mask(*err.shape[-2:], err.device).expand_as(err)).mean() if causal else err.mean()
+    if not causal:
+        return err.mean()
+    return err.masked_select(causal_mask(*err.shape[-2:], err.device).expand_as(err)).mean()
