@@ -42,7 +42,11 @@ class UsageError(ValueError):
 
 def acc(x):
     """x in the accumulation dtype: float32, or float64 when given float64 (the float64 checks)."""
-    return x.double() if x.dtype == torch.float64 else x.float()
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+def like(x, y):
+    """x in y's dtype (x itself when it already is)."""
+    return x if x.dtype == y.dtype else x.to(y.dtype)
 
 def _choose(what, value, choices):
     if value not in choices:
@@ -89,6 +93,7 @@ class FeatureMap(nn.Module):
     features while the keys' scales lie within float32's range (e^+-87). shift=False: no shifts."""
 
     log_domain = False
+    same_for_q_and_k = True
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
@@ -107,20 +112,29 @@ class FeatureMap(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             q, k = acc(q), acc(k)
             if not self.log_domain:
-                phi_q, phi_k = self.phi(q, 'q', offset), self.phi(k, 'k', offset)
-                no_shift = phi_q.new_zeros(phi_q.shape[:-1]), phi_k.new_zeros(phi_k.shape[:-1])
-                return phi_q, phi_k, *no_shift
-            u_q, u_k = self.log_phi(q, 'q', offset), self.log_phi(k, 'k', offset)
+                phi_q, phi_k = self._sides(self.phi, q, k, offset)
+                no_shift = phi_q.new_zeros(phi_q.shape[:-1])                # (B, H, T)
+                if phi_k.shape != phi_q.shape:
+                    return phi_q, phi_k, no_shift, phi_k.new_zeros(phi_k.shape[:-1])
+                return phi_q, phi_k, no_shift, no_shift
+            u_q, u_k = self._sides(self.log_phi, q, k, offset)
             c_q, c_k = (u.detach().amax(-1) * self.shift for u in (u_q, u_k))
             return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None]), c_q, c_k
+
+    def _sides(self, fn, q, k, offset):
+        """fn(q, 'q', offset), fn(k, 'k', offset); in one call on q and k stacked (2, B, H, T, D)
+        where the map treats the two alike (all but LLN) and they have one shape."""
+        if self.same_for_q_and_k and q.shape == k.shape:
+            return fn(torch.stack([q, k]), 'qk', offset).unbind(0)
+        return fn(q, 'q', offset), fn(k, 'k', offset)
 
     def phi(self, x, which, offset):  # the exact features of one side
         return torch.exp(self.log_phi(acc(x), which, offset))
 
 def _per_head_linear(x, weight, bias=None):
-    """One Linear per head: x (B, H, T, D), weight (H, F, D), bias (H, F) -> (B, H, T, F)."""
-    y = torch.einsum('bhtd,hfd->bhtf', x, weight.to(x.dtype))
-    return y if bias is None else y + bias.to(x.dtype)[None, :, None, :]
+    """One Linear per head: x (..., H, T, D), weight (H, F, D), bias (H, F) -> (..., H, T, F)."""
+    y = x @ like(weight, x).mT
+    return y if bias is None else y + like(bias, x)[:, None]
 
 class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D, no parameters."""
@@ -225,7 +239,7 @@ class TaylorFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         """x (B, H, T, D) -> (B, H, T, 1 + D + D^2): [1, x / D^1/4, vec(x x^T) / sqrt(2D)], the
         same for q and k."""
-        x2 = torch.einsum('bhti,bhtj->bhtij', x, x).flatten(-2) / math.sqrt(2 * self.head_dim)
+        x2 = (x[..., :, None] * x[..., None, :]).flatten(-2) / math.sqrt(2 * self.head_dim)
         return torch.cat([torch.ones_like(x[..., :1]), x * self.head_dim ** -0.25, x2], dim=-1)
 
 class ExpFeatureMap(FeatureMap):
@@ -294,6 +308,8 @@ class LolcatsFeatureMap(HedgehogFeatureMap):
 
     def project(self, x):
         width = self.weight.shape[1]
+        if width == self.head_dim:   # the skip connection: x itself
+            return super().project(x) + x
         return super().project(x) + nnf.pad(x[..., :width], (0, max(width - self.head_dim, 0)))
 
 LLN_MATCH = ('paper', 'entropy', 'none')
@@ -376,6 +392,7 @@ class LLNFeatureMap(FeatureMap):
     forward, so causal; frozen in eval mode."""
 
     log_domain = True
+    same_for_q_and_k = False
 
     def __init__(self, head_dim, n_heads, momentum: float = 0.1, match: str = 'paper'):
         super().__init__(head_dim, n_heads)
@@ -399,6 +416,10 @@ class LLNFeatureMap(FeatureMap):
     def log_phi(self, x, which, offset):
         temperature = self.alpha_beta()[which == 'k'].to(x.dtype)      # (H,) alpha or beta
         return temperature[None, :, None, None] * x
+
+    def _sides(self, fn, q, k, offset):   # alpha q, beta k: the temperatures computed once
+        alpha, beta = (t.to(q.dtype)[:, None, None] for t in self.alpha_beta())   # (H, 1, 1)
+        return alpha * q, beta * k
 
     def features(self, q, k, offset=0):
         out = super().features(q, k, offset)
@@ -425,7 +446,7 @@ class DoFFeatureMap(FeatureMap):
         D, M = self.head_dim, self.feature_dim
         norm2 = (x * x).sum(-1, keepdim=True)
         u = _per_head_linear(x, self.z) * D ** -0.25 - norm2 / (2 * math.sqrt(D))
-        return u + 0.5 * self.log_a.to(x.dtype)[None, :, None, :] - 0.5 * math.log(M)
+        return u + 0.5 * like(self.log_a, x)[:, None, :] - 0.5 * math.log(M)
 
 FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureMap,
                 'performer': PerformerFeatureMap, 'cosformer': CosformerFeatureMap,

@@ -16,7 +16,7 @@ the H_kv = H / kv_groups key/value heads only (k[:, ::g]).
 
 import copy
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -53,20 +53,27 @@ def _merge(a, b):
     return a[0] * ra[..., None] + b[0] * rb[..., None], a[1] * ra + b[1] * rb, m
 
 def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
-    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
-    _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
-      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i) and
-            linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are <= gamma, on
-            the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at attention sinks);
+    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w,
+    den_w, m from _window_softmax; num_l, den_l the linear sums of shifted features (exact mass
+    exp(c) den_l); factor (H,).
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights
+            gamma exp(s_ij - m_i) and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT
+            compensated: window weights are <= gamma, on the kernel's scale (an exact softmax window
+            outweighs it by exp(m_i), e^20 and more at attention sinks);
       mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
-    Masses compare in log space. A row without linear keys is the window part, one without window keys the
-    linear part, 0 with neither. Returns y and p, the share of each row's attention on the window part, float32."""
+    As p y_window + (1 - p) y_linear, p the window part's share: for joint, gamma den_w against
+    exp(c) den_l, compared in log space. A row without linear keys is the window part, one without
+    window keys the linear part, 0 with neither. Returns y and p, float32."""
     has_w, has_l = den_w > 0, den_l > 0
     den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
-    f = factor.to(den_w.dtype).view(1, -1, *([1] * (den_w.dim() - 2)))  # (1, H, 1..) against (B, H, ..)
-    p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log()) if combine == 'joint' else f.expand_as(den_w)
-    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)  # the window part's weight
-    return p[..., None] * num_w / den_w[..., None] + (1 - p[..., None]) * num_l / den_l[..., None], p
+    y_w, y_l = num_w / den_w[..., None], num_l / den_l[..., None]      # each part normalised
+    f = A.like(factor, den_w).view(-1, *([1] * (den_w.dim() - 2)))     # (H, 1..) against (B, H, ..)
+    if combine == 'joint':
+        p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log())
+    else:
+        p = f.expand_as(den_w)
+    p = torch.where(has_w, p.where(has_l, 1.0), 0.0)
+    return y_l + p[..., None] * (y_w - y_l), p
 
 def _window_part(q, k, v, w, n_sinks, causal, keys):
     """The softmax part of the window hybrid, unnormalised (num, den, m) per row (B, H, T, ..): the
@@ -144,6 +151,10 @@ def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
 
 
+def _divide(num, den):
+    """num / den per row, 0 where den is 0 (a row whose features are all 0)."""
+    return num / den.where(den > 0, 1.0)[..., None]
+
 # ---- 2. the decode states -------------------------------------------------------
 def _tensors(state):
     """The tensors a state holds, nested states included."""
@@ -160,10 +171,53 @@ def state_nbytes(state):
         return sum(state_nbytes(s) for s in state)
     return 0 if state is None else sum(t.numel() * t.element_size() for t in _tensors(state))
 
+def static_state(state, capacity):
+    """The decode state with fixed shapes, for a CUDA graph (model.DecodeGraph): KV caches static
+    with room for `capacity` tokens, slots written in place without copies (the graph's alone)."""
+    if isinstance(state, KVCache):
+        return state.reserve(capacity, static=True)
+    if isinstance(state, SplitState):
+        return SplitState(static_state(state.exact, capacity), static_state(state.rest, capacity))
+    if isinstance(state, WindowState) and state.n < state.slots.sinks:
+        raise UsageError(f"a CUDA graph starts after the sinks: a prompt of at least "
+                         f"{state.slots.sinks} tokens")
+    if isinstance(state, (WindowState, DiagState)):
+        return replace(state, slots=replace(state.slots, static=True))
+    if isinstance(state, LolaState):
+        raise UsageError("LoLA's cache (spec cache=) changes its shapes as it decodes: no CUDA graph")
+    return state   # a LinearState
+
+def copy_state_(dst, src):
+    """Copy the tensors of state src (or a list of states) into those of dst, of the same structure,
+    where they are not already the same tensor: a CUDA graph's new states back into its inputs."""
+    for a, b in zip(state_tensors(dst), state_tensors(src)):
+        if a is not b:
+            a.copy_(b)
+
+def state_tensors(state):
+    """The tensors of a decode state or a list of them, in order, nested states included."""
+    if isinstance(state, (list, tuple)):
+        for s in state:
+            yield from state_tensors(s)
+    elif state is not None:
+        yield from _tensors(state)
+
+def state_to(state, device):
+    """A decode state (or a list of them) with every tensor moved to `device`."""
+    if isinstance(state, (list, tuple)):
+        return [state_to(s, device) for s in state]
+    if torch.is_tensor(state):
+        return state.to(device)
+    if not hasattr(state, '__dataclass_fields__'):
+        return state
+    return replace(state, **{f.name: state_to(getattr(state, f.name), device) for f in fields(state)
+                             if torch.is_tensor(getattr(state, f.name)) or
+                             hasattr(getattr(state, f.name), '__dataclass_fields__')})
+
 @dataclass(frozen=True)
 class LinearState:
-    """Linear attention's state in units of exp(-m) (attention.linear_attention_parts): S = sum phi_k exp(c - m) v^T,
-    z = sum phi_k exp(c - m) over the n keys folded in."""
+    """Linear attention's state in units of exp(-m) (attention.linear_attention_parts):
+    S = sum phi_k exp(c - m) v^T, z = sum phi_k exp(c - m) over the n keys folded in."""
     S: torch.Tensor   # (B, H, F, D)
     z: torch.Tensor   # (B, H, F)
     m: torch.Tensor   # (B, H): the largest shift c folded in (NO_KEY: none yet)
@@ -171,45 +225,163 @@ class LinearState:
 
     @staticmethod
     def empty(B, H, F, D, like):
-        return LinearState(like.new_zeros(B, H, F, D), like.new_zeros(B, H, F), like.new_full((B, H), NO_KEY), 0)
+        S, z = like.new_zeros(B, H, F, D), like.new_zeros(B, H, F)
+        return LinearState(S, z, like.new_full((B, H), NO_KEY), 0)
 
     def fold(self, phi, c, v, n):
-        """The state with pairs added: phi (B, H, L, F) shifted features, c (B, H, L) their shifts (NO_KEY: not
-        added), v (B, H, L, D); n: how many of them count as folded."""
+        """The state with pairs added: phi (B, H, L, F) shifted features, c (B, H, L) their shifts
+        (NO_KEY: not added), v (B, H, L, D); n: how many of them count as folded."""
         m = torch.maximum(self.m, c.amax(-1)) if c.shape[-1] else self.m
         pk, r = A.scaled_keys(phi, c, m), torch.exp(self.m - m)   # (B, H, L, F) in units exp(-m)
-        return LinearState(self.S * r[..., None, None] + pk.transpose(-2, -1) @ v, self.z * r[..., None] + pk.sum(-2),
-                           m, self.n + n)
+        S = self.S * r[..., None, None] + pk.transpose(-2, -1) @ v
+        return LinearState(S, self.z * r[..., None] + pk.sum(-2), m, self.n + n)
+
+    def add(self, phi, v, c=None):
+        """The state with one key per row: phi (B, H, 1, F) its shifted features, v (B, H, 1, D),
+        c (B, H, 1) its shift (None: 0, a map that is not exp-based); one outer product:
+            S <- S exp(m_old - m) + (phi exp(c - m))^T v,   z likewise,   m = max(m_old, c)."""
+        if c is None:   # every shift 0: m is 0 from the first key on, and S, z only add
+            S = torch.addcmul(self.S, phi.mT, v)
+            return LinearState(S, self.z + phi[:, :, 0], self.m.clamp_min(0.0), self.n + 1)
+        c = c[:, :, 0]                                               # (B, H)
+        m = torch.maximum(self.m, c)
+        r = torch.exp(self.m - m)[..., None]                         # (B, H, 1) old units -> m
+        pk = phi * torch.exp(c - m)[..., None, None]                 # (B, H, 1, F)
+        S = torch.addcmul(self.S * r[..., None], pk.mT, v)
+        return LinearState(S, torch.addcmul(pk[:, :, 0], self.z, r), m, self.n + 1)
+
+    def read(self, phi_q):
+        """num (B, H, 1, D) = phi_q S and den (B, H, 1) = phi_q . z of one query per row, phi_q
+        (B, H, 1, F), in the state's units."""
+        return phi_q @ self.S, (phi_q * self.z[:, :, None]).sum(-1)
+
+@dataclass(frozen=True)
+class Slots:
+    """Key-value pairs in fixed slots (dim 2), written in place: a KV cache, a window's ring and
+    sinks, LLN+Diag's block. pos (L,): the position each slot holds, -1 where none (or where it
+    must not be attended). States of the same slots share `owner`, the tokens seen by the state
+    that wrote last; any other state copies the slots before it writes, so a state stays valid
+    after a decode from it (branches, beam search)."""
+    k: torch.Tensor                   # (B, H_kv, L, D)
+    v: torch.Tensor                   # (B, H_kv, L, Dv)
+    pos: torch.Tensor                 # (L,) long
+    phi: torch.Tensor | None = None   # (B, H, L, F): shifted key features, for a linear part
+    c: torch.Tensor | None = None     # (B, H, L): their shifts
+    owner: list = field(default_factory=lambda: [0])
+    static: bool = False              # a CUDA graph's: written in place, never copied
+    sinks: int = 0                    # the first slots that hold the sinks (a window's)
+
+    @staticmethod
+    def empty(k, v, L, phi=None, c=None):
+        """L empty slots for pairs shaped like k, v (B, H_kv, ., D) (and phi, c)."""
+        def zeros(x):
+            return None if x is None else x.new_zeros(*x.shape[:2], L, *x.shape[3:])
+        pos = torch.full((L,), -1, dtype=torch.long, device=k.device)
+        return Slots(zeros(k), zeros(v), pos, zeros(phi), zeros(c))
+
+    def write(self, n, n_new, slot, position, k, v, phi=None, c=None):
+        """The slots with pairs k, v (B, H_kv, m, D) (and phi, c) written at `slot` ((m,) long, on the
+        device) by a state that has seen n tokens, for one that has seen n_new; position (m,): what
+        pos records there."""
+        s = self if self.static or self.owner[0] == n else self.copy()
+        s.k.index_copy_(2, slot, k)
+        s.v.index_copy_(2, slot, v)
+        s.pos.index_copy_(0, slot, position)
+        if phi is not None:
+            s.phi.index_copy_(2, slot, phi)
+        if c is not None:
+            s.c.index_copy_(2, slot, c)
+        s.owner[0] = n_new
+        return s
+
+    def copy(self):
+        clone = [None if x is None else x.clone() for x in (self.k, self.v, self.pos, self.phi, self.c)]
+        return Slots(*clone, owner=[-1], sinks=self.sinks)
 
 @dataclass(frozen=True)
 class KVCache:
-    """Softmax's decode state: the keys and values of the H_kv heads in buffers of some capacity, the first n filled.
-    Appending writes in place when no other state has written past n (fill: how far any state of these buffers has
-    written, shared), doubling the capacity when full; otherwise it copies first. One sequence costs one copy per
-    doubling, and a state stays valid after a decode from it."""
-    k: torch.Tensor   # (B, H_kv, capacity, D)
-    v: torch.Tensor   # (B, H_kv, capacity, Dv)
+    """Softmax's decode state: the keys and values of the H_kv heads in buffers of some capacity,
+    the first n filled. Eager: appends write in place (copying first when another state wrote past
+    n), the capacity doubles when full, and a step reads the first n. static (CUDA graphs): a fixed
+    capacity, and a step reads it all with a mask of the filled slots."""
+    k: torch.Tensor     # (B, H_kv, capacity, D)
+    v: torch.Tensor     # (B, H_kv, capacity, Dv)
+    pos: torch.Tensor   # (1,) long, on the device: tokens held (n)
     n: int
-    fill: list        # [tokens written into these buffers]
+    fill: list          # [tokens written into these buffers by any state]
+    static: bool = False
 
     @staticmethod
-    def start(k, v):
-        return KVCache(k.contiguous(), v.contiguous(), k.shape[2], [k.shape[2]])
+    def start(k, v, capacity=None):
+        """A cache holding k, v (B, H_kv, T, D), room for `capacity` tokens (default T)."""
+        T = k.shape[2]
+        cache = KVCache(k.contiguous(), v.contiguous(), _position(k, T), T, [T])
+        return cache if capacity is None else cache.reserve(capacity)
+
+    def reserve(self, capacity, static=False):
+        """The cache in buffers of at least `capacity` tokens (the first n copied)."""
+        if capacity <= self.k.shape[2] and static == self.static:
+            return self
+        cap, n = max(capacity, self.k.shape[2]), self.n
+
+        def grown(x):
+            return torch.cat([x[:, :, :n], x.new_zeros(*x.shape[:2], cap - n, x.shape[3])], 2)
+        return KVCache(grown(self.k), grown(self.v), self.pos, n, [n], static)
 
     def append(self, k, v):
-        n, T, cap = self.n, k.shape[2], self.k.shape[2]
-        kb, vb, fill = self.k, self.v, self.fill
-        if fill[0] != n or n + T > cap:   # another state wrote past n, or full: new buffers
-            cap = max(2 * cap, n + T) if n + T > cap else cap
-            kb, vb = (torch.cat([x[:, :, :n], x.new_empty(*x.shape[:2], cap - n, x.shape[3])], 2) for x in (kb, vb))
-            fill = [n]
-        kb[:, :, n:n + T], vb[:, :, n:n + T], fill[0] = k, v, n + T
-        return KVCache(kb, vb, n + T, fill)
+        """The cache with T more tokens k, v (B, H_kv, T, D)."""
+        n, T, capacity = self.n, k.shape[2], self.k.shape[2]
+        cache = self
+        if n + T > capacity:                  # full: larger buffers, the first n copied
+            if self.static:
+                raise RuntimeError(f"the static KV cache of {capacity} tokens is full")
+            cache = self.reserve(max(2 * capacity, n + T))
+        elif self.fill[0] != n and not self.static:   # another state wrote past n: copy first
+            cache = KVCache(self.k.clone(), self.v.clone(), self.pos, n, [n])
+        if T == 1:   # at pos, on the device
+            cache.k.index_copy_(2, cache.pos, k)
+            cache.v.index_copy_(2, cache.pos, v)
+        else:
+            cache.k[:, :, n:n + T], cache.v[:, :, n:n + T] = k, v
+        cache.fill[0] = n + T
+        return KVCache(cache.k, cache.v, cache.pos + T, n + T, cache.fill, self.static)
+
+    def keys(self):
+        """(k, v, mask): what a query after the last token reads; mask None, or (capacity,) bool."""
+        if not self.static:
+            return self.k[:, :, :self.n], self.v[:, :, :self.n], None
+        slots = torch.arange(self.k.shape[2], device=self.k.device)
+        return self.k, self.v, (slots < self.pos)[None]   # (1, capacity)
+
+def _position(like, n):
+    """n as a (1,) long tensor on like's device (made there: no copy from the host)."""
+    return torch.full((1,), n, dtype=torch.long, device=like.device)
+
+@dataclass(frozen=True)
+class WindowState:
+    """The sliding-window hybrid's decode state (without LoLA's cache): slots for the sinks (the
+    first `sinks` tokens), then a ring of `window` slots, token p at sinks + p % window (a sink in
+    the ring is marked -1: it is attended once, as a sink); the linear part folds each token as it
+    leaves the window (None: sliding-window softmax alone, leaving tokens are dropped). After n
+    tokens the next query sees the sinks, tokens n - window + 1 .. n - 1 and itself."""
+    slots: Slots
+    linear: LinearState | None
+    pos: torch.Tensor   # (1,) long on the device: tokens seen (n)
+    n: int
+
+@dataclass(frozen=True)
+class DiagState:
+    """LLN+Diag's decode state: every token in the linear state, the current block's pairs in
+    diag_block slots (token p at p % diag_block)."""
+    linear: LinearState
+    slots: Slots
+    pos: torch.Tensor   # (1,) long on the device: tokens seen
+    n: int
 
 @dataclass(frozen=True)
 class Pairs:
-    """Key-value pairs kept exact in the softmax part, oldest first: the sinks, LoLA's cache, the window buffer. phi
-    and c (the keys' shifted features and shifts, per query head) where a linear part may fold them later."""
+    """LoLA's key-value pairs, oldest first: the sinks, its cache, the window buffer; phi and c (the
+    keys' shifted features and shifts, per query head) where a linear part may fold them later."""
     k: torch.Tensor                   # (B, H_kv, L, D)
     v: torch.Tensor                   # (B, H_kv, L, Dv)
     phi: torch.Tensor | None = None   # (B, H, L, F)
@@ -231,30 +403,26 @@ class Pairs:
 
     def take(self, idx, g):
         """The pairs idx (B, H_kv, n) of each KV head (its query heads: the same pairs)."""
-        def gather(x):   # along time; idx per KV head, or repeated to the query heads; broadcast over trailing dims
+        def gather(x):   # along time; idx per KV head, or repeated to the query heads
             i = idx if x.shape[1] == idx.shape[1] else idx.repeat_interleave(g, 1)
-            return x.gather(2, i.view(*i.shape, *[1] * (x.dim() - 3)).expand(*i.shape, *x.shape[3:]))
+            i = i.view(*i.shape, *[1] * (x.dim() - 3)).expand(*i.shape, *x.shape[3:])
+            return x.gather(2, i)
         return self._map(lambda x, _: gather(x))
 
 @dataclass(frozen=True)
-class WindowState:
-    """The sliding-window hybrid's decode state (and LoLA's): query t's softmax part is the sinks, the cache and the
-    buffer's tokens up to t; its linear part the folded pairs."""
+class LolaState:
+    """The window hybrid's decode state with LoLA's cache: query t's softmax part is the sinks, the
+    cache and the buffer's tokens up to t; its linear part the folded pairs."""
     offset: int                  # tokens seen
     sinks: Pairs                 # the first `sinks` tokens (never folded)
-    cache: Pairs                 # LoLA's cached pairs (empty without a cache)
-    buffer: Pairs                # the last tokens: the pending block (with a cache), then the window
-    linear: LinearState | None   # the folded pairs (None: sliding-window softmax alone; what leaves is dropped)
-
-@dataclass(frozen=True)
-class DiagState:
-    """LLN+Diag's decode state: every token in the linear state, the current block's pairs for the softmax part."""
+    cache: Pairs                 # LoLA's cached pairs
+    buffer: Pairs                # the last tokens: the pending block, then the window
     linear: LinearState
-    block: Pairs                 # the current partial block (fewer than diag_block tokens)
 
 @dataclass(frozen=True)
 class SplitState:
-    """Exact heads beside the rest (spec exact=): a KV cache for the exact KV heads, the rest's own state."""
+    """Exact heads beside the rest (spec exact=): a KV cache for the exact KV heads, the rest's own
+    state."""
     exact: KVCache
     rest: object
 
@@ -357,6 +525,8 @@ class Attention(nn.Module):
         self.exact_q = heads[exact].flatten().tolist()   # the query heads kept exact
         self.rest_q = heads[rest].flatten().tolist()     # the others, with the mode's maps
         self.order = torch.tensor(self.exact_q + self.rest_q).argsort().tolist()   # -> head order
+        for name, heads in (('exact_idx', self.exact_q), ('rest_idx', self.rest_q), ('order_idx', self.order)):
+            self.register_buffer(name, torch.tensor(heads, dtype=torch.long), persistent=False)
         self.fmap = None
         if spec.name != 'softmax' and not all_exact:
             options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
@@ -402,164 +572,262 @@ class Attention(nn.Module):
             raise ValueError("key_padding_mask is for bidirectional (encoder) attention only")
         if state is not None and not self.causal:
             raise ValueError("a bidirectional core has no decode state")
-        if self.exact_q:   # exact heads (spec exact=) with a KV cache of their own, beside the rest
-            e, r, kpm = self.exact_q, self.rest_q, key_padding_mask
-            ye, se = self._softmax_parallel(q[:, e], k[:, e], v[:, e], kpm, return_state) if state is None else \
-                self._softmax_decode(q[:, e], k[:, e], v[:, e], state.exact)
-            yr, sr = self._run(q[:, r], k[:, r], v[:, r], state and state.rest, return_state, kpm)
-            y = torch.cat([ye.to(yr.dtype), yr], 1)[:, self.order]
-            return (y, SplitState(se, sr)) if return_state else y
-        y, state = self._run(q, k, v, state, return_state, key_padding_mask)
-        return (y, state) if return_state else y
+        if not self.exact_q:
+            y, state = self._run(q, k, v, state, return_state, key_padding_mask)
+            return (y, state) if return_state else y
+        # exact heads (spec exact=) with a KV cache of their own, beside the rest
+        e, r = self.exact_idx, self.rest_idx
+        qe, ke, ve = (x.index_select(1, e) for x in (q, k, v))
+        qr, kr, vr = (x.index_select(1, r) for x in (q, k, v))
+        if state is None:
+            ye, se = self._softmax_parallel(qe, ke, ve, key_padding_mask, return_state)
+        else:
+            ye, se = self._softmax_decode(qe, ke, ve, state.exact)
+        yr, sr = self._run(qr, kr, vr, state and state.rest, return_state, key_padding_mask)
+        y = torch.cat([ye.to(yr.dtype), yr], 1).index_select(1, self.order_idx)   # head order
+        return (y, SplitState(se, sr)) if return_state else y
 
     def _run(self, q, k, v, state, return_state, key_padding_mask):
         """The mode's method for this phase: (y, the new state)."""
         if self.mode == 'softmax':
-            return self._softmax_parallel(q, k, v, key_padding_mask, return_state) if state is None else \
-                self._softmax_decode(q, k, v, state)
-        with torch.autocast(q.device.type, enabled=False):   # float32 inside (float64 stays); y in v's dtype
+            if state is None:
+                return self._softmax_parallel(q, k, v, key_padding_mask, return_state)
+            return self._softmax_decode(q, k, v, state)
+        with torch.autocast(q.device.type, enabled=False):   # float32 inside (float64 stays)
             q, k, v32 = acc(q), acc(k), acc(v)
             if self.mode == 'linear':
                 y, state = self._linear(q, k, v32, state, key_padding_mask)
-            elif self.mode == 'diag':
-                y, state = self._diag_parallel(q, k, v32, key_padding_mask) if state is None else \
-                    self._diag_decode(q, k, v32, state)
-            elif state is None and not self.spec.cache:
-                y, state = self._window_parallel(q, k, v32, key_padding_mask, return_state)
-            else:   # decoding, and LoLA's cache (it runs the decode schedule from the start)
-                y, state = self._window_decode(q, k, v32, state)
-        return y.to(v.dtype), state
+            elif self.spec.cache:   # LoLA runs its decode schedule from the start
+                y, state = self._lola(q, k, v32, state)
+            elif state is None:
+                parallel = self._window_parallel if self.mode == 'window' else self._diag_parallel
+                y, state = parallel(q, k, v32, key_padding_mask, return_state)
+            else:
+                step = self._window_step if self.mode == 'window' else self._diag_step
+                y, state = self._steps(step, q, k, v32, state)
+        return y.to(v.dtype), state   # y in v's dtype
+
+    def _steps(self, step, q, k, v, state):
+        """Tokens after a state, one step each: (y (B, H, T, D), the state after them)."""
+        if q.shape[2] == 1:
+            return step(q, k, v, state)
+        ys = []
+        for t in range(q.shape[2]):
+            y, state = step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+            ys.append(y)
+        return (ys[0] if len(ys) == 1 else torch.cat(ys, 2)), state
 
     def weights(self, q, k, key_padding_mask=None):
-        """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as values."""
+        """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as
+        values."""
         eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
         return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
     def _features(self, q, k, offset, key_padding_mask=None):
-        """fmap.features with padding keys removed (phi_k 0, c_k NO_KEY); None x 4 without a linear part."""
+        """fmap.features with padding keys removed (phi_k 0, c_k NO_KEY); None x 4 without a linear
+        part."""
         if self.fmap is None:
             return None, None, None, None
         phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset)
         if key_padding_mask is not None:
-            phi_k, c_k = phi_k * key_padding_mask[:, None, :, None], c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
+            phi_k = phi_k * key_padding_mask[:, None, :, None]
+            c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         return phi_q, phi_k, c_q, c_k
 
     # -- softmax: SDPA; its decode state a KV cache
     def _softmax_parallel(self, q, k, v, key_padding_mask, return_state):
-        k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]   # (B, H_kv, T, D): the model's own heads
+        k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]   # (B, H_kv, T, D): the model's heads
         mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         y = softmax_attention(q, k, v, self.causal, attn_mask=mask)
         return y, KVCache.start(k, v) if return_state and self.causal else None
 
     def _softmax_decode(self, q, k, v, state):
-        T, st = q.shape[2], state.append(k[:, ::self.kv_groups], v[:, ::self.kv_groups])
-        mask = A.causal_mask(T, st.n, q.device) if T > 1 else None
-        return softmax_attention(q, st.k[:, :, :st.n], st.v[:, :, :st.n], causal=False, attn_mask=mask), st
+        """Tokens after a KV cache: appended, then every query reads the cache (causal within the
+        new tokens)."""
+        st = state.append(k[:, ::self.kv_groups], v[:, ::self.kv_groups])
+        keys, values, mask = st.keys()
+        T = q.shape[2]
+        if T > 1:
+            mask = A.causal_mask(T, st.n, q.device)
+        return softmax_attention(q, keys, values, causal=False, attn_mask=mask), st
 
     # -- linear: one path for both phases, from a state (S, z, m) or from zeros
     def _linear(self, q, k, v, state, key_padding_mask=None):
         n = 0 if state is None else state.n
         phi_q, phi_k, _, c_k = self._features(q, k, n, key_padding_mask)
+        if state is not None and q.shape[2] == 1:   # one token: one outer product, one read
+            linear = state.add(phi_k, v, c_k if self.fmap.log_domain else None)
+            return _divide(*linear.read(phi_q)), linear
         init = None if state is None else (state.S, state.z, state.m)
-        y, (S, z, m) = linear_attention(phi_q, phi_k, v, self.causal, self.spec.impl, 0.0, self.chunk_size, init,
-                                        True, c_k)
+        y, (S, z, m) = linear_attention(phi_q, phi_k, v, self.causal, self.spec.impl, 0.0,
+                                        self.chunk_size, init, True, c_k)
         return y, LinearState(S, z, m, n + q.shape[2]) if self.causal else None
 
     # -- diag (LLN+Diag): linear attention plus softmax within blocks, averaged
-    def _diag_parallel(self, q, k, v, key_padding_mask):
-        T, g, b = q.shape[2], self.kv_groups, self.spec.diag_block
+    def _diag_parallel(self, q, k, v, key_padding_mask, return_state):
+        T, b = q.shape[2], self.spec.diag_block
         y, linear = self._linear(q, k, v, None, key_padding_mask)
         y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, self.causal, key_padding_mask))
-        cut = T // b * b   # the partial block: tokens cut..T-1
-        return y, DiagState(linear, Pairs(k[:, ::g, cut:], v[:, ::g, cut:])) if self.causal else None
+        if not (return_state and self.causal):
+            return y, None
+        g, start = self.kv_groups, T // b * b   # the partial block: tokens start..T-1
+        k1, v1 = k[:, ::g, start:], v[:, ::g, start:]
+        positions = torch.arange(start, T, device=q.device)
+        slots = Slots.empty(k1, v1, b).write(0, T, positions % b, positions, k1, v1)
+        return y, DiagState(linear, slots, _position(q, T), T)
 
-    def _diag_decode(self, q, k, v, state):
-        """One token at a time: linear attention from (S, z, m), softmax over its block so far."""
-        ys, g = [], self.kv_groups
-        for t in range(q.shape[2]):
-            qt, kt, vt = q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]
-            y, linear = self._linear(qt, kt, vt, state.linear)
-            block = state.block.cat(Pairs(kt[:, ::g], vt[:, ::g]))
-            ys.append(0.5 * (y + softmax_attention(qt, block.k, block.v, causal=False)))
-            state = DiagState(linear, block.cut(0, 0) if linear.n % self.spec.diag_block == 0 else block)
-        return torch.cat(ys, 2), state
+    def _diag_step(self, q, k, v, st):
+        """One token: the linear state with it, then read; softmax over its block so far."""
+        b, g = self.spec.diag_block, self.kv_groups
+        phi_q, phi_k, _, c_k = self._features(q, k, st.n)
+        linear = st.linear.add(phi_k, v, c_k if self.fmap.log_domain else None)
+        y_linear = _divide(*linear.read(phi_q))                            # (B, H, 1, D)
+        slot = st.pos % b
+        slots = st.slots.write(st.n, st.n + 1, slot, st.pos, k[:, ::g], v[:, ::g])
+        in_block = (slots.pos >= st.pos - slot)[None]                      # (1, b) this block's
+        y_block = softmax_attention(q, slots.k, slots.v, causal=False, attn_mask=in_block)
+        return 0.5 * (y_linear + y_block), DiagState(linear, slots, st.pos + 1, st.n + 1)
 
-    # -- window: sliding-window softmax + linear (LoLCATs), sinks, LoLA's cache
+    # -- window: sliding-window softmax + linear (LoLCATs), sinks
     def _window_parallel(self, q, k, v, key_padding_mask, return_state):
-        """All tokens from the start, without a cache: window_linear_attention; the state keeps the sinks and the
-        last window - 1 tokens, and folds the rest."""
+        """All tokens from the start, without a cache: window_linear_attention; the state keeps the
+        sinks and the last window tokens in their slots, and folds the tokens before those."""
         phi_q, phi_k, c_q, c_k = self._features(q, k, 0, key_padding_mask)
-        y, share = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(), self.causal,
-                                           key_padding_mask, self.chunk_size)
+        y, share = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(),
+                                           self.causal, key_padding_mask, self.chunk_size)
         self.share = share.detach()
         if not (return_state and self.causal):
             return y, None
-        state = self._window_push(self._window_empty(q, v), k, v, phi_k, c_k)
-        return y, self._window_update(state, max(len(state.buffer) - (self.window - 1), 0))
+        return y, self._window_state(k, v, phi_k, c_k)
 
-    def _window_empty(self, q, v):
+    def _window_state(self, k, v, phi_k, c_k):
+        """The window's decode state after tokens k, v (B, H, T, D) with their features (or None)."""
+        (B, H, T, D), g = k.shape, self.kv_groups
+        W, N = self.window, min(self.spec.sinks, T)
+        k1, v1 = k[:, ::g], v[:, ::g]                                      # (B, H_kv, T, D)
+        c_kept = c_k if phi_k is not None and self.fmap.log_domain else None   # shifts, if any
+        slots = Slots.empty(k1, v1, self.spec.sinks + W, phi_k, c_kept)
+        slots = replace(slots, sinks=self.spec.sinks)
+        sinks = torch.arange(N, device=k.device)
+        recent = torch.arange(max(T - W, 0), T, device=k.device)           # the ring's tokens
+        marker = recent.where(recent >= self.spec.sinks, -1)               # a sink: attended as one
+        for p, slot, mark in ((sinks, sinks, sinks), (recent, self.spec.sinks + recent % W, marker)):
+            phi_p = None if phi_k is None else phi_k[:, :, p]
+            c_p = None if c_kept is None else c_kept[:, :, p]
+            slots = slots.write(slots.owner[0], T, slot, mark, k1[:, :, p], v1[:, :, p], phi_p, c_p)
+        linear = None
+        if phi_k is not None:   # tokens sinks..T-W have left the window: folded
+            F = phi_k.shape[-1]
+            fold = slice(self.spec.sinks, max(T - W + 1, self.spec.sinks))
+            linear = LinearState.empty(B, H, F, D, k).fold(phi_k[:, :, fold], c_k[:, :, fold],
+                                                            v[:, :, fold], T)
+        return WindowState(slots, linear, _position(k, T), T)
+
+    def _window_step(self, q, k, v, st):
+        """One token after state st: written into its ring slot (and its sink slot while there are
+        fewer than `sinks`), the query attends to the slots (softmax) and to the folded pairs
+        (linear), then the token that leaves the window for the next query is folded."""
+        W, N, g = self.window, self.spec.sinks, self.kv_groups
+        phi_q, phi_k, c_q, c_k = self._features(q, k, st.n)
+        features = () if phi_k is None else (phi_k, c_k if self.fmap.log_domain else None)
+        k1, v1 = (k, v) if g == 1 else (k[:, ::g], v[:, ::g])            # (B, H_kv, 1, D)
+        ring = st.pos % W + N if N else st.pos % W                         # (1,) its ring slot
+        marker = st.pos.where(st.pos >= N, -1) if st.n < N else st.pos    # a sink: attended as one
+        slots = st.slots.write(st.n, st.n + 1, ring, marker, k1, v1, *features)
+        if st.n < N:   # a sink: in its own slot too
+            slots = slots.write(st.n + 1, st.n + 1, st.pos, st.pos, k1, v1, *features)
+        num, den, m = self._slots_softmax(q, slots)                       # (B, H, 1, D), (B, H, 1)
+        if st.linear is None:   # sliding-window softmax alone
+            return num / den[..., None], replace(st, slots=slots, pos=st.pos + 1, n=st.n + 1)
+        num_l, den_l = st.linear.read(phi_q)
+        y, _ = combine_window_linear(num, den, m, num_l, den_l, c_q + st.linear.m[..., None],
+                                     self.factor(), self.spec.combine)
+        return y, WindowState(slots, self._fold_leaving(st, slots), st.pos + 1, st.n + 1)
+
+    def _slots_softmax(self, q, slots):
+        """One query per head q (B, H, 1, D) against the slots' pairs (B, H_kv, L, D) where their pos
+        >= 0, unnormalised: num (B, H, 1, D), den and m (B, H, 1) as _window_softmax; the g query
+        heads of a KV head are g rows of one product."""
+        B, H, _, D = q.shape
+        qg = q.view(B, H // self.kv_groups, self.kv_groups, D) * D ** -0.5   # (B, H_kv, g, D)
+        s = (qg @ slots.k.mT).masked_fill(slots.pos < 0, float('-inf'))       # (B, H_kv, g, L)
+        m = s.amax(-1, keepdim=True)                                           # the token: finite
+        a = torch.exp(s - m)
+        return (a @ slots.v).view(B, H, 1, -1), a.sum(-1).view(B, H, 1), m.view(B, H, 1)
+
+    def _fold_leaving(self, st, slots):
+        """st's linear state with the token that leaves the window for the next query folded: the
+        one in the ring's next slot (none where that slot is empty or holds a sink)."""
+        W, N, g = self.window, self.spec.sinks, self.kv_groups
+        leaving = (st.pos + 1) % W                                         # (1,)
+        leaving = leaving + N if N else leaving
+        phi, v = slots.phi.index_select(2, leaving), slots.v.index_select(2, leaving)
+        v = v if g == 1 else v.repeat_interleave(g, 1)                     # (B, H, 1, D)
+        c = slots.c.index_select(2, leaving) if slots.c is not None else None
+        if st.n + 1 - W < N:   # the slot may be empty or hold a sink: weigh it 0
+            real = slots.pos.index_select(0, leaving) >= 0                 # (1,) bool
+            phi = phi * real
+            c = None if c is None else c.masked_fill(~real, NO_KEY)
+        return st.linear.add(phi, v, c)
+
+    # -- LoLA's sparse cache (spec cache=): its schedule in segments, prefill and decode alike
+    def _lola_empty(self, q, v):
         (B, H, _, D), Dv, g = q.shape, v.shape[-1], self.kv_groups
         none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
-        if self.fmap is None:
-            return WindowState(0, none, none, none, None)
         F = self.fmap.feature_dim
         with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
-        return WindowState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q))
+        return LolaState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q))
 
-    def _window_decode(self, q, k, v, state):
-        """Tokens after a state (or from the start, with a cache) in segments within which the linear part is fixed:
-        each ends where pairs leave the softmax part (the update), C = cache_block with a cache (the pending block),
-        else 1 (a token leaves the window)."""
-        state = state or self._window_empty(q, v)
-        C, T, out, t = self.spec.cache_block if self.spec.cache else 1, q.shape[2], [], 0
+    def _lola(self, q, k, v, state):
+        """Tokens after a state (or from the start) in segments within which the linear part is
+        fixed: each ends where a block of cache_block pairs leaves the softmax part (the update)."""
+        state = state or self._lola_empty(q, v)
+        C, T = self.spec.cache_block, q.shape[2]
+        ys, shares, t = [], [], 0
         while t < T:
             n = min(T - t, self.window - 1 + C - len(state.buffer))   # tokens up to the next update
             qs, ks, vs = (x[:, :, t:t + n] for x in (q, k, v))
-            y, share, phi_k, c_k = self._window_segment(qs, ks, vs, state)
-            state = self._window_update(self._window_push(state, ks, vs, phi_k, c_k), C)
-            out, t = out + [(y, share)], t + n
-        self.share = torch.cat([s for _, s in out], 2).detach()
-        return torch.cat([y for y, _ in out], 2), state
+            y, share, phi_k, c_k = self._lola_segment(qs, ks, vs, state)
+            state = self._lola_update(self._lola_push(state, ks, vs, phi_k, c_k))
+            ys, shares, t = ys + [y], shares + [share], t + n
+        self.share = torch.cat(shares, 2).detach()
+        return torch.cat(ys, 2), state
 
-    def _window_segment(self, q, k, v, st):
-        """Outputs of tokens q, k, v (B, H, n, D) right after state st, the linear part fixed: (y, share, phi_k,
-        c_k). Softmax part: the sinks, the cache (always seen) and the buffer and new tokens up to the query."""
-        (n, o), g = (q.shape[2], st.offset), self.kv_groups
+    def _lola_segment(self, q, k, v, st):
+        """Outputs of tokens q, k, v (B, H, n, D) right after state st, the linear part fixed:
+        (y, share, phi_k, c_k). Softmax part: the sinks, the cache (always seen) and the buffer and
+        new tokens up to the query."""
+        n, o, g = q.shape[2], st.offset, self.kv_groups
         soft = st.sinks.cat(st.cache).cat(st.buffer).cat(Pairs(k[:, ::g], v[:, ::g]))
         pos = torch.cat([torch.arange(len(st.sinks)), torch.full((len(st.cache),), -1),
-                         torch.arange(o - len(st.buffer), o + n)]).to(q.device)   # the keys' positions
+                         torch.arange(o - len(st.buffer), o + n)]).to(q.device)   # keys' positions
         keys, vals = soft.k.repeat_interleave(g, 1), soft.v.repeat_interleave(g, 1)
-        num_w, den_w, m_w = _window_softmax(q, keys, vals, pos <= torch.arange(o, o + n, device=q.device)[:, None])
-        if st.linear is None:   # sliding-window softmax alone
-            return num_w / den_w[..., None], torch.ones_like(den_w), None, None
+        visible = pos <= torch.arange(o, o + n, device=q.device)[:, None]
+        num_w, den_w, m_w = _window_softmax(q, keys, vals, visible)
         phi_q, phi_k, c_q, c_k = self._features(q, k, o)
         L = st.linear
-        y, share = combine_window_linear(num_w, den_w, m_w, phi_q @ L.S, (phi_q @ L.z[..., None])[..., 0],
-                                         c_q + L.m[..., None], self.factor(), self.spec.combine)
+        num_l, den_l = phi_q @ L.S, (phi_q @ L.z[..., None])[..., 0]
+        y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l, c_q + L.m[..., None],
+                                         self.factor(), self.spec.combine)
         return y, share, phi_k, c_k
 
-    def _window_push(self, st, k, v, phi_k, c_k):
-        """The state with tokens k, v (B, H, n, D) appended: the first go to the sinks while there are fewer than
-        spec.sinks, the others to the buffer."""
+    def _lola_push(self, st, k, v, phi_k, c_k):
+        """The state with tokens k, v (B, H, n, D) appended: the first go to the sinks while there
+        are fewer than spec.sinks, the others to the buffer."""
         s, g = min(max(self.spec.sinks - st.offset, 0), k.shape[2]), self.kv_groups
-        cut = lambda x: None if x is None else x[:, :, s:]   # noqa: E731
-        return replace(st, offset=st.offset + k.shape[2], sinks=st.sinks.cat(Pairs(k[:, ::g, :s], v[:, ::g, :s])),
-                       buffer=st.buffer.cat(Pairs(k[:, ::g, s:], v[:, ::g, s:], cut(phi_k), cut(c_k))))
+        sinks = st.sinks.cat(Pairs(k[:, ::g, :s], v[:, ::g, :s]))
+        rest = Pairs(k[:, ::g, s:], v[:, ::g, s:], phi_k[:, :, s:], c_k[:, :, s:])
+        return replace(st, offset=st.offset + k.shape[2], sinks=sinks, buffer=st.buffer.cat(rest))
 
-    def _window_update(self, st, C):
-        """Once the buffer holds window - 1 + C tokens, its first C leave the softmax part: with a cache they and
-        the cache compete (lola_select), the rest folded; without, they are folded (or dropped: no linear part)."""
+    def _lola_update(self, st):
+        """Once the buffer holds window - 1 + C tokens, its first C leave the softmax part: they and
+        the cache compete (lola_select), the losers are folded."""
+        C = self.spec.cache_block
         if len(st.buffer) < self.window - 1 + C:
             return st
-        block, buffer = st.buffer.cut(0, C), st.buffer.cut(C)
-        if st.linear is None:
-            return replace(st, buffer=buffer)
-        cand, g = st.cache.cat(block), self.kv_groups
-        if not self.spec.cache:
-            return replace(st, buffer=buffer, linear=st.linear.fold(cand.phi, cand.c, cand.v.repeat_interleave(g, 1),
-                                                                     len(cand)))
+        cand, g = st.cache.cat(st.buffer.cut(0, C)), self.kv_groups
         keep, linear = lola_select(st.linear, cand, self.spec.cache, g)
-        return replace(st, buffer=buffer, cache=cand.take(keep, g), linear=linear)
+        return replace(st, buffer=st.buffer.cut(C), cache=cand.take(keep, g), linear=linear)
 
     @torch.no_grad()
     def calibrate(self, q, k, key_padding_mask=None):

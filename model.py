@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 import tokenizer as tokenizer_lib
 from attention import AttnSpec, UsageError
-from hybrids import Attention, state_nbytes
+from hybrids import Attention, copy_state_, state_nbytes, static_state
 
 FAMILIES = ('gpt2', 'llama', 'bert')
 
@@ -324,12 +324,21 @@ class Transformer(nn.Module):
             for b, core in zip(blocks, own):
                 b.attn.core = core
 
-    def _rope(self, offset, T, device):
+    def _inv_freq_on(self, device):
         if device not in self._inv_freq:
             cfg = self.config
             self._inv_freq[device] = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        return self._inv_freq[device]
+
+    def _rope(self, offset, T, device):
         pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
-        emb = torch.outer(pos, self._inv_freq[device]).repeat(1, 2)   # (T, hs)
+        emb = torch.outer(pos, self._inv_freq_on(device)).repeat(1, 2)   # (T, hs)
+        return emb.cos(), emb.sin()
+
+    def _rope_at(self, pos):
+        """RoPE's (cos, sin) (1, hs) at position pos, a (1,) long tensor on the device."""
+        inv_freq = self._inv_freq_on(pos.device)
+        emb = (pos.float()[:, None] * inv_freq).repeat(1, 2)        # (1, hs)
         return emb.cos(), emb.sin()
 
     def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None, attention_mask=None):
@@ -397,17 +406,33 @@ class GPT(Transformer):
         x, states = self.hidden_states(idx, offset=offset, states=states, return_state=True)
         return self.lm_head(x[:, -1]), states
 
-    def decode_step(self, tok, offset, states):
-        """Feed one token per row (B,) at absolute position `offset`: (logits (B, vocab), states)."""
-        return self.prefill(tok.view(-1, 1), offset, states)
+    @torch.no_grad()
+    def decode_step(self, tok, pos, states):
+        """One token per row tok (B,) at position pos, after `states`: (logits (B, vocab), the new
+        states). pos: an int, or a (1,) long tensor on the model's device (no copy from the host);
+        the step's shapes do not depend on it, so a CUDA graph can replay it (DecodeGraph)."""
+        tr = self.transformer
+        if not torch.is_tensor(pos):
+            pos = torch.full((1,), pos, dtype=torch.long, device=tok.device)
+        x = tr.wte(tok)[:, None]                                    # (B, 1, C)
+        if not self.rope:
+            x = x + tr.wpe(pos)
+        rope = self._rope_at(pos) if self.rope else None
+        x, new_states = tr.drop(x), []
+        for block, state in zip(tr.h, states):
+            x, state = block(x, rope, state, True)
+            new_states.append(state)
+        return self.lm_head(tr.ln_f(x)[:, -1]), new_states
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_token_id=None, use_cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_token_id=None, use_cache=True,
+                 cuda_graph=False):
         """Append up to max_new_tokens tokens to idx (B, T): temperature 0 is greedy, otherwise sampling from
         softmax(logits / temperature) over the top_k tokens. A row that produced eos_token_id (an int or a list)
         keeps producing it; generation stops when every row has. use_cache: prefill, then one token at a time
         with each layer's state (a KV cache for softmax, constant-size for linear maps and hybrids); otherwise
-        full forward passes (the reference; learned positions crop the context to block_size, as in nanoGPT)."""
+        full forward passes (the reference; learned positions crop the context to block_size, as in nanoGPT).
+        cuda_graph: the one-token step replayed as a CUDA graph (DecodeGraph; CUDA only)."""
         cfg, (B, T0) = self.config, idx.size()
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -416,30 +441,73 @@ class GPT(Transformer):
             raise UsageError(f"cached generation needs {T0 + max_new_tokens - 1} positions, more than block_size="
                              f"{cfg.block_size} (learned positions); generate fewer or use use_cache=False (crops)")
         eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=idx.device).view(-1)
-        finished, states = torch.zeros(B, dtype=torch.bool, device=idx.device), None
-        for _ in range(max_new_tokens):
+        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], 1)   # the tokens, preallocated
+        states = graph = None
+        for t in range(T0, T0 + max_new_tokens):   # t: the position of the token generated
             if not use_cache:
-                logits = self(idx[:, -cfg.block_size:] if learned_pos else idx)[0][:, -1, :]
+                logits = self(out[:, max(t - cfg.block_size, 0) if learned_pos else 0:t])[0][:, -1, :]
             elif states is None:
                 logits, states = self.prefill(idx)
+                pos = torch.full((1,), T0, dtype=torch.long, device=idx.device)   # the next input's
+                if cuda_graph:
+                    graph = DecodeGraph(self, out[:, T0 - 1], pos, states, T0 + max_new_tokens)
+            elif graph is not None:
+                logits = graph(out[:, t - 1])
             else:
-                logits, states = self.decode_step(idx[:, -1], idx.size(1) - 1, states)
-            if temperature == 0.0:
-                nxt = logits.argmax(dim=-1)                         # (B,)
-            else:
-                logits = logits.float() / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits = logits.masked_fill(logits < v[:, [-1]], float('-inf'))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+                logits, states = self.decode_step(out[:, t - 1], pos, states)
+                pos = pos + 1
+            nxt = sample(logits, temperature, top_k)
             if eos is not None:
                 nxt = torch.where(finished, eos[0], nxt)
                 finished |= torch.isin(nxt, eos)
-            idx = torch.cat((idx, nxt[:, None]), dim=1)
+            out[:, t] = nxt
             if eos is not None and bool(finished.all()):
-                break
-        return idx
+                return out[:, :t + 1]
+        return out
 
+def sample(logits, temperature=1.0, top_k=None):
+    """The next token per row from logits (B, vocab): argmax at temperature 0, else a draw from
+    softmax(logits / temperature) over the top_k tokens."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)                                # (B,)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float('-inf'))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+
+class DecodeGraph:
+    """GPT.decode_step captured once as a CUDA graph and replayed for every token (mamba_ssm's
+    cg=True; HF's static cache with torch.compile). The states live in fixed buffers (KV caches
+    static, with room for `capacity` tokens; hybrids.static_state), the token and the position in
+    fixed tensors; a replay launches the step's kernels at once, with no Python between them.
+    Eager decoding launches them one by one from Python, which at batch 1 sets the time per token.
+        step = DecodeGraph(model, tok, pos, states, capacity)   # after a prefill; pos: tok's position
+        logits = step(tok)                                      # the next token's logits; pos moves on"""
+
+    def __init__(self, model, tok, pos, states, capacity):
+        if tok.device.type != 'cuda':
+            raise UsageError(f"CUDA graphs need the model on a CUDA device, not {tok.device.type}")
+        if any(core.spec.name == 'cosformer' for core in model.attention_cores()):
+            raise UsageError("cosformer's features depend on the position on the host: no CUDA graph")
+        self.states = [LayerState(static_state(s.attn, capacity), s.conv) for s in states]
+        self.tok, self.pos = tok.clone(), pos.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # warm-up off the graph: lazy initialisation, kernel compilation
+            model.decode_step(self.tok, self.pos, self.states)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits, new_states = model.decode_step(self.tok, self.pos, self.states)
+            copy_state_(self.states, new_states)   # what the step made anew, back into the fixed buffers
+            self.pos.add_(1)
+
+    def __call__(self, tok):
+        self.tok.copy_(tok)
+        self.graph.replay()
+        return self.logits
 
 class Bert(Transformer):
     """A bidirectional encoder (family bert): the body, a pooler, and a classifier when config.num_labels > 0."""

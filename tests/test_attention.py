@@ -795,14 +795,17 @@ def test_gqa_hybrid_state_keeps_kv_heads(spec):
     for t in range(7, 19):
         yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
         outs.append(yt)
-        pairs = st.buffer if core.window else st.block   # the window's buffer, or LLN+Diag's partial block
-        buffered, F_ = len(pairs), core.fmap.feature_dim
-        assert pairs.k.shape == pairs.v.shape == (2, H_ // G, buffered, D)
-        assert st.linear.S.shape == (2, H_, F_, D) and st.linear.z.shape == (2, H_, F_)
-        if core.window:
-            assert buffered == core.window - 1 and st.buffer.phi.shape == (2, H_, buffered, F_)
-        else:
-            assert buffered == (t + 1) % core.spec.diag_block and st.linear.n == t + 1
+        slots, F = st.slots, core.fmap.feature_dim   # the window's sinks and ring, or LLN+Diag's block
+        L = core.window or core.spec.diag_block
+        assert slots.k.shape == slots.v.shape == (2, H_ // G, L, D) and slots.pos.shape == (L,)
+        assert st.linear.S.shape == (2, H_, F, D) and st.linear.z.shape == (2, H_, F)
+        if core.window:   # the last window tokens, each at p % window
+            assert slots.phi.shape == (2, H_, L, F)
+            assert sorted(slots.pos.tolist()) == list(range(t + 1 - L, t + 1))
+        else:             # the current block's tokens
+            assert sorted(p for p in slots.pos.tolist() if p > t - (t + 1) % L) == \
+                list(range(t + 1 - (t + 1) % L, t + 1))
+            assert st.linear.n == t + 1
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
 
 
@@ -822,7 +825,7 @@ def test_softmax_kv_cache_grows_by_doubling():
         assert st.k.shape[2] >= t + 1 and st.n == t + 1
     assert moves == 4  # capacity 4 -> 8 -> 16 -> 32 -> 64
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
-    assert Hy.state_nbytes(st) == 2 * B * H * 64 * D * 4  # k and v, the whole capacity, float32
+    assert Hy.state_nbytes(st) == 2 * B * H * 64 * D * 4 + 8  # k and v, the whole capacity, float32; pos
     _, st = core(q[:, :, :30], k[:, :, :30], v[:, :, :30], return_state=True)
     y2, st = core(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], state=st, return_state=True)  # 10 tokens at once
     assert rel_err(y2, y[:, :, 30:]) < 1e-5 and st.k.shape[2] == 60
@@ -892,7 +895,7 @@ def test_exact_heads(spec):
         outs.append(yt)
     assert rel_err(torch.cat(outs, 2), y) < 1e-5
     assert st.exact.n == T and st.exact.k.shape[:2] == (2, len(exact))
-    kv = 2 * st.exact.k.numel() * 4   # k and v, the whole capacity, float32
+    kv = 2 * st.exact.k.numel() * 4 + 8   # k and v, the whole capacity, float32; its position (int64)
     assert Hy.state_nbytes(st) == kv + Hy.state_nbytes(st.rest) and Hy.state_nbytes(st.rest) > 0
     every = Hy.Attention(dataclasses.replace(A.AttnSpec.parse(spec), exact='0+1+2'), D, Hq, kv_groups=g)
     assert every.mode == 'softmax' and every.fmap is None and not list(every.parameters())   # the layer is softmax

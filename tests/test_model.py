@@ -1,11 +1,13 @@
 """Tests for model.py: HF parity for GPT-2 / Llama / BERT, loading errors, generation (KV cache and
 recurrent state), checkpoints. Everything is tiny (n_embd 32, 2 layers, vocab 100) and runs on CPU."""
+import contextlib
 import json
 import os
 
 import pytest
 import torch
 
+import hybrids as Hy
 import model as M
 from attention import ATTN_CHOICES
 
@@ -361,7 +363,8 @@ def test_gqa_kv_cache_holds_only_the_kv_heads():
         torch.testing.assert_close(logits, model(prompt[:, :t + 1])[0][:, -1], atol=1e-4, rtol=1e-4)
     cap = states[0].attn.k.shape[2]   # the preallocated cache: 9 tokens held, room for a few more (doubling)
     assert 9 <= cap <= 18 and states[0].attn.k.shape[1] == 2 and states[0].attn.n == 9
-    assert model.decode_state_nbytes(states) == 2 * 2 * (2 * 2 * cap * 8) * 4  # layers x (k, v) x B H_kv T D x fp32
+    # layers x ((k, v) x B H_kv T D x fp32 + the position, int64)
+    assert model.decode_state_nbytes(states) == 2 * (2 * (2 * 2 * cap * 8) * 4 + 8)
 
 
 def test_generate_eos_sampling_and_limits():
@@ -637,3 +640,50 @@ def test_attn_override_on_a_partial_conversion_keeps_its_softmax_layers(tmp_path
     M.save(tmp_path / 'all.pt', m)
     assert [str(c.spec) for c in M.load(tmp_path / 'all.pt', attn='elu')[0].attention_cores()] == ['elu', 'elu']
     assert 'changed to elu' in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the one-token step (issue 42)
+
+STEP_SPECS = ['softmax', 'hedgehog', 'performer', 'lolcats:window=4', 'lolcats:window=4:sinks=2',
+              'lolcats:window=4:exact=0', 'exp:window=3:combine=mix', 'lln:diag_block=3', 'softmax:window=4:sinks=1']
+
+
+@pytest.mark.parametrize('spec', STEP_SPECS)
+def test_static_step_replays_like_eager(spec):
+    """What a CUDA graph replays (model.DecodeGraph), emulated on the CPU: the step on static states (KV caches of a
+    fixed capacity read whole under a mask, slots written in place), its new states copied back into the same
+    buffers, the position advanced in place; the logits equal eager decoding's and every state tensor keeps its
+    shape at every step."""
+    model = _spread(tiny('llama', short_conv=2, attn=spec))
+    prompt = torch.randint(0, V, (2, 7))
+    logits, states = model.prefill(prompt)
+    static = [M.LayerState(Hy.static_state(s.attn, 7 + 12), s.conv) for s in states]
+    shapes = [t.shape for t in Hy.state_tensors(static)]
+    tok, pos = logits.argmax(-1), torch.full((1,), 7)
+    tok_buf, pos_buf = tok.clone(), pos.clone()
+    for _ in range(12):
+        want, states = model.decode_step(tok, pos, states)
+        got, new = model.decode_step(tok_buf, pos_buf, static)
+        Hy.copy_state_(static, new)
+        pos_buf.add_(1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert [t.shape for t in Hy.state_tensors(static)] == shapes
+        tok, pos = want.argmax(-1), pos + 1
+        tok_buf.copy_(tok)
+
+
+@pytest.mark.parametrize('spec', STEP_SPECS)
+def test_step_makes_no_host_copy_and_reads_no_value(spec, monkeypatch):
+    """The step on the meta device, where tensors have shapes and no values: a tensor made on the host and mixed in
+    (a host-device copy on a GPU), or a Python branch on a tensor's value (.item(), bool()), raises there."""
+    monkeypatch.setattr(torch, 'autocast', lambda *a, **k: contextlib.nullcontext())   # no autocast on meta
+    model = tiny('llama', short_conv=2, attn=spec)
+    _, states = model.prefill(torch.randint(0, V, (2, 7)))
+    meta = model.to('meta')
+    meta._inv_freq = {}
+    states = Hy.state_to(states, 'meta')
+    tok, pos = torch.zeros(2, dtype=torch.long, device='meta'), torch.zeros(1, dtype=torch.long, device='meta')
+    for _ in range(2):
+        logits, states = meta.decode_step(tok, pos, states)
+        pos = pos + 1
+    assert logits.shape == (2, V) and logits.device.type == 'meta'
