@@ -496,7 +496,8 @@ class DecodeGraph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # warm-up off the graph: lazy initialisation, kernel compilation
-            model.decode_step(self.tok, self.pos, self.states)
+            for _ in range(2):
+                model.decode_step(self.tok, self.pos, self.states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
