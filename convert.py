@@ -33,11 +33,13 @@ import attention as A
 from attention import UsageError
 import model as M
 import train
+from train import num
 
 LORA_LR, FULL_LR = 1e-3, 3e-4   # stage-2 learning rates (LoRA, full finetune)
 FIDELITY_BATCHES = 2            # attention fidelity is quadratic in T: the first 2 held-out batches,
 FIDELITY_TOKENS = 1024          # their first 1024 tokens (causal: the same rows; at 4096 SmolLM2's took 13 GB)
 CALIB_BATCHES = 4               # training batches for calibration and DoF
+DOF_TOKENS = 4096               # DoF: the queries and keys of at most this many real tokens per head
 
 @dataclass
 class ConvertConfig:
@@ -50,41 +52,37 @@ class ConvertConfig:
     data: str = 'data/tinyshakespeare/input.txt'   # text (as train.py reads it), or the GLUE folder
     val_data: str = ''            # lm: held-out text ('' = the last 10 % of --data)
     glue_task: Literal[tuple(train.GLUE_TASKS)] = 'cola'
-    block_size: int = 128         # sequence length (at most the model's)
-    batch_size: int = 8
-    eval_batches: int = 8         # lm: held-out windows of block_size for quality (glue: the whole dev set)
-    stage1_iters: int = 200       # attention-transfer steps
-    lr: float = 1e-2              # stage-1 learning rate (AdamW, no weight decay)
+    block_size: int = num(128, ge=2)   # sequence length (at most the model's)
+    batch_size: int = num(8, ge=1)
+    eval_batches: int = num(8, ge=1)   # lm: held-out windows of block_size for quality (glue: the whole dev set)
+    stage1_iters: int = num(200, ge=0)   # attention-transfer steps
+    lr: float = num(1e-2, gt=0, le=1)   # stage-1 learning rate (AdamW, no weight decay)
     loss: str = 'auto'            # ce (Hedgehog Eq. 4) | mse (LoLCATs outputs) | l2 (DoF kernel) | sums: ce+0.1*mse;
                                   # auto: mse for lolcats and the hybrids, ce otherwise
-    dof_budget: float = 0.0       # > 0: per-layer feature dims from the DoF with this mean (DoF Algorithm 1)
-    dof_lambda: float = 2 ** -4   # lambda of tr(G (G + lambda I)^-1) (the paper's value for GPT-2)
-    dof_samples: int = 256        # J, the points sampled per head
+    dof_budget: float = num(0.0, ge=0, le=2**16)   # > 0: per-layer feature dims from the DoF, this mean (DoF Alg. 1)
+    dof_lambda: float = num(2 ** -4, gt=0)   # lambda of tr(G (G + lambda I)^-1) (the paper's value for GPT-2)
+    dof_samples: int = num(256, ge=2, le=2 * DOF_TOKENS)   # J, the points sampled per head (of its queries and keys)
     dof_clip: bool = False        # DoF + Clip: at most head_dim per layer (hedgehog: 2 head_dim), not redistributed
-    exact_heads: int = 0          # > 0: this many KV heads (of all layers') stay exact softmax (spec exact=)
+    exact_heads: int = num(0, ge=0)   # > 0: this many KV heads (of all layers') stay exact softmax (spec exact=)
     exact_rank: Literal['probe', 'random'] = 'probe'   # which: the teacher's retrieval probe's best, or at random
-    stage2_iters: int = 200       # finetuning steps
-    lora_rank: int = 8            # LoRA rank on every layer's q/k/v/o (alpha = 2 rank); 0 = full finetune
-    stage2_lr: float = 0.0        # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
+    stage2_iters: int = num(200, ge=0)   # finetuning steps
+    lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's q/k/v/o (alpha = 2 rank); 0 = full finetune
+    stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
-    seed: int = 0
+    seed: int = num(0, ge=0, lt=2**32)
     report: str = ''              # comma-separated convert.py out_dirs: print their summary table and exit
 
     def __post_init__(self):
+        train.check_ranges(self)
+        train.check_device(self.device)
         self.spec = A.AttnSpec.parse(self.attn)
-        for name in ('stage1_iters', 'stage2_iters', 'lora_rank', 'eval_batches', 'dof_budget'):
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{name} must be >= 0")
-        if self.batch_size < 1 or self.block_size < 2:
-            raise UsageError("--batch_size must be >= 1 and --block_size >= 2")
-        if self.dof_budget and (self.spec.name not in ('dof', 'hedgehog') or self.dof_lambda <= 0
-                                or self.dof_samples < 2):
-            raise UsageError("--dof_budget is for --attn dof or hedgehog, with --dof_lambda > 0, --dof_samples >= 2")
+        if self.dof_budget and self.spec.name not in ('dof', 'hedgehog'):
+            raise UsageError("--dof_budget is for --attn dof or hedgehog")
         if self.dof_clip and not self.dof_budget:
             raise UsageError("--dof_clip needs --dof_budget")
-        if self.exact_heads < 0 or (self.exact_heads and (self.task != 'lm' or self.spec.exact)):
-            raise UsageError("--exact_heads (>= 0) is for --task lm, with an --attn that names no exact= heads")
+        if self.exact_heads and (self.task != 'lm' or self.spec.exact):
+            raise UsageError("--exact_heads is for --task lm, with an --attn that names no exact= heads")
         self.weights = loss_weights(self.loss, self.spec)
 
 KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps l2 fits
@@ -281,7 +279,7 @@ def load_task(cfg, model):
     tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (resolve: its ids fit the model)
     return train.Task(train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
                                        val_data=cfg.val_data, glue_task=cfg.glue_task, batch_size=cfg.batch_size,
-                                       seq_len=min(cfg.block_size, model.config.block_size), seed=cfg.seed), tok)
+                                       seq_len=cfg.block_size, seed=cfg.seed), tok)
 
 @torch.no_grad()
 def evaluate(model, module, task, cfg, rt, layers):
@@ -368,7 +366,7 @@ def swap(model, cfg, layers, qk):
     spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
-        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :4096].cpu() for x in qk[l][:2])
+        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :DOF_TOKENS].cpu() for x in qk[l][:2])
                   for l in layers}   # (H, N, D): the real tokens
         clip = unit * model.config.head_dim if cfg.dof_clip else None
         dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda, cfg.dof_samples, clip,
@@ -433,6 +431,15 @@ def finetune(model, module, task, cfg, rt):
     model.requires_grad_(False)
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')
 
+def check_fits(cfg, c, layers):
+    """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
+    kv, side = len(layers) * c.n_kv_head, min(c.n_embd, c.n_kv_head * c.head_dim)
+    for name, most, what in (('block_size', c.block_size, f"the teacher's {c.block_size} positions"),
+                             ('exact_heads', kv - 1, f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
+                             ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")):
+        if getattr(cfg, name) > most:
+            raise UsageError(f"--{name} {getattr(cfg, name)} is more than {what}")
+
 def run(cfg):
     """The whole conversion -> the summary (also out_dir/summary.json)."""
     t_start, rt = time.time(), train.setup(cfg.device, 'float32')
@@ -447,7 +454,9 @@ def run(cfg):
         raise UsageError(f"--task glue needs a BERT model, this one is {c.family!r}")
     if cfg.task == 'lm' and c.family == 'bert' and cfg.stage2_iters:
         raise UsageError("a BERT model has no next-token loss: use --task glue (or --stage2_iters 0)")
-    task, layers = load_task(cfg, model), parse_layers(cfg.layers, c.n_layer)
+    layers = parse_layers(cfg.layers, c.n_layer)
+    check_fits(cfg, c, layers)
+    task = load_task(cfg, model)
     module = (train.Classifier(model, num_labels) if cfg.task == 'glue' else model).to(rt.device)
     calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i)) for i in range(CALIB_BATCHES)]
     print(f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of {c.head_dim}) to "

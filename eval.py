@@ -12,6 +12,7 @@ matplotlib is installed).
 """
 import contextlib
 import ctypes
+import functools
 import itertools
 import json
 import math
@@ -31,6 +32,7 @@ from attention import UsageError
 import model as M
 import tokenizer
 import train
+from train import num
 
 REPORTS = ['ppl', 'glue', 'rouge', 'generate', 'fidelity', 'bench', 'lln', 'lm_eval', 'passkey']
 BENCH_SWEEPS = {'attention': '512,1024,2048,4096,8192', 'prefill': '256,512,1024,2048,4096',
@@ -54,7 +56,8 @@ def load_model(ckpt, device='cpu', attn=''):
     try:
         m, extra = M.load(ckpt, **({'attn': attn} if attn else {}))
     except (UsageError, tokenizer.TokenizerError, OSError) as e:
-        raise UsageError(f'cannot load --ckpt {ckpt!r}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:300]}')
+        why = '' if isinstance(e, UsageError) else f'{type(e).__name__}: '   # (a UsageError names the problem)
+        raise UsageError(f'cannot load --ckpt {ckpt!r}: {why}{(str(e).splitlines() or [""])[0][:300]}')
     return m.to(device).eval(), extra
 
 def load(args, causal_for=None, with_tokenizer=True):
@@ -66,6 +69,8 @@ def load(args, causal_for=None, with_tokenizer=True):
         raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
     if args.context > model.config.block_size:
         raise UsageError(f'--context {args.context} > model block_size {model.config.block_size}')
+    if causal_for == 'generate' and args.max_new_tokens > model.config.block_size:
+        raise UsageError(f'--max_new_tokens {args.max_new_tokens} > model block_size {model.config.block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 def load_text(data):
@@ -333,10 +338,22 @@ def run_lm_eval(args, model, tok, tasks, include=None, limit=None, log_samples=F
     inputs (0: block_size)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+    if include and not os.path.isdir(include):
+        raise UsageError(f'--lm_eval_include {include}: not a folder (of lm-eval task yamls)')
+    manager = TaskManager(include_path=include) if include else lm_eval_tasks()
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UsageError(f'unknown lm-eval task(s) {", ".join(unknown)}: not among lm-eval\'s {len(manager.all_tasks)} '
+                         'tasks (lm-eval ls tasks)' + (f' and those in {include}' if include else ''))
     context = args.context or model.config.block_size
     lm = lm_eval_adapter(model, tok, context, args.stride or max(context // 2, 1), args.device, args.batch_size)
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(include_path=include or None),
-                                   limit=limit, log_samples=log_samples)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples)
+
+@functools.cache
+def lm_eval_tasks():
+    """lm-eval's own task index, once a process (TaskManager reads some thousands of yamls: about 20 s)."""
+    from lm_eval.tasks import TaskManager
+    return TaskManager()
 
 def report_lm_eval(args):
     """--lm_eval TASKS (comma-separated; --lm_eval_include DIR adds local task yamls) through lm-eval 0.4."""
@@ -603,8 +620,8 @@ def report_lln(args):
     """LLN Fig. 2 at head_dim 64 (the paper's; its fit is published for it): --context tokens per sequence
     (default 256), --batch_size sequences, --sweep temperatures sigma^2."""
     grid, D, T, n = parse_list(args.sweep or LLN_GRID, 'sweep', float), 64, args.context or 256, args.batch_size
-    if T < 2:
-        raise UsageError(f'--lln wants --context >= 2 tokens, got {T}')
+    if T < 2 or n * T * T > 2**28:   # (its T x T weights, float64)
+        raise UsageError(f'--lln wants --context >= 2 and --batch_size x --context^2 <= 2^28, got {n} x {T}^2')
     (a, b), curves = attention.lln_fit(D), lln_fig2(D, T, grid, n)
     ref, near = curves['softmax']['entropy_bits'], [i for i, s2 in enumerate(grid) if 1 <= s2 <= 4]
     err = {lab: max((abs(d['entropy_bits'][i] - ref[i]) for i in near), default=None)
@@ -804,16 +821,16 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the model's own
     data: str = ''                # input data (see each report)
     out_dir: str = 'out/eval'     # where JSON (and PNG) results go
-    device: str = 'cuda' if torch.cuda.is_available() else 'cpu'   # cpu | cuda | cuda:N
-    batch_size: int = 8           # sequences per forward pass: ppl windows, GLUE examples, fidelity/lln samples
-    context: int = 0              # tokens per window, 0 = ppl min(block_size, 1024), fidelity min(block_size, 128),
+    device: str = 'cuda' if torch.cuda.is_available() else 'cpu'   # auto | cpu | cuda | cuda:N
+    batch_size: int = num(8, ge=1)   # sequences per forward pass: ppl windows, GLUE examples, fidelity/lln samples
+    context: int = num(0, ge=0)   # tokens per window, 0 = ppl min(block_size, 1024), fidelity min(block_size, 128),
                                   # lln 256; generate: prompts of N tokens cut from --data (0: one per line);
                                   # lm_eval: the longest loglikelihood input (0 = block_size)
-    stride: int = 0               # ppl (and lm_eval's rolling windows) stride (0 = context // 2)
-    limit: int = 0                # only the first N (0 = all): ppl tokens, GLUE/ROUGE examples, generate prompts
+    stride: int = num(0, ge=0)    # ppl (and lm_eval's rolling windows) stride (0 = context // 2)
+    limit: int = num(0, ge=0)     # only the first N (0 = all): ppl tokens, GLUE/ROUGE examples, generate prompts
                                   # (with --context: N passages, default 3), lm_eval documents per task;
                                   # passkey: samples per length and depth (default 6)
-    max_new_tokens: int = 64      # rouge, generate
+    max_new_tokens: int = num(64, ge=0)   # rouge, generate (at most the model's block_size)
     prompt: list[str] = field(default_factory=list)   # generate: a prompt (repeat the flag for several)
     maps: str = ''                # maps against softmax, with options (exp:t=2): bench (default elu), fidelity
                                   # (default for a softmax model: elu,performer,cosformer,taylor,hedgehog)
@@ -830,8 +847,9 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
         if len(chosen) != 1:
             raise ValueError(f'choose exactly one report: --{", --".join(REPORTS)} (got {len(chosen)})')
         self.report = chosen[0]
-        if min(self.batch_size - 1, self.context, self.stride, self.limit, self.max_new_tokens) < 0:
-            raise UsageError('want --batch_size >= 1 and --context, --stride, --limit, --max_new_tokens >= 0')
+        train.check_ranges(self)
+        train.check_device(self.device)
+        self.device = ('cuda' if torch.cuda.is_available() else 'cpu') if self.device == 'auto' else self.device
         parse_maps(self.maps)   # their specs, checked here
         attention.AttnSpec.parse(self.attn or 'softmax')
 
@@ -839,6 +857,7 @@ def main(argv=None):
     """Runs one report: 0, or 2 and one line `eval.py: error: ...` on bad input."""
     try:
         args, _ = train.parse_config(EvalConfig, argv, __doc__)
+        os.makedirs(args.out_dir, exist_ok=True)
         torch.manual_seed(0)
         res = {'report': args.report, **globals()['report_' + args.report](args)}
     except SystemExit as e:   # parse_config printed its one line
@@ -846,7 +865,6 @@ def main(argv=None):
     except (UsageError, tokenizer.TokenizerError, OSError) as e:   # one line; bugs keep their traceback
         print(f"eval.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         return 2
-    os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f'{args.report}.json'), 'w') as f:
         json.dump(res, f, indent=1, default=float)
     log(f'wrote {os.path.join(args.out_dir, args.report + ".json")}')

@@ -14,7 +14,9 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import warnings
+import zipfile
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -561,20 +563,36 @@ def load(path, **overrides):
         raise UsageError(f"unknown override(s) {bad}; GPTConfig fields are {names}")
     return _load(str(path), overrides)
 
+def _file_kind(path):
+    """'ours' (a zip, as torch.save writes) or 'gguf', by a checkpoint file's first bytes; else a UsageError naming the
+    file and what it is not, or that it is cut short."""
+    with open(path, 'rb') as f:
+        kind = {b'PK\x03\x04': 'ours', b'GGUF': 'gguf'}.get(f.read(4))
+    if kind is None:
+        raise UsageError(f"{path} is not a checkpoint: neither ours (train.py, convert.py), a HuggingFace folder "
+                         "nor a GGUF file")
+    if kind == 'ours' and not zipfile.is_zipfile(path):   # its zip directory, at the end, is missing
+        raise UsageError(f"{path} is cut short (an interrupted copy or save?): not a whole checkpoint")
+    return kind
+
 def _load(path, overrides, as_base=False):
     """load(); as_base: the base of a converted model, whose new tensors (new_tensor_names) come from the
     conversion."""
     ckpt = os.path.join(path, 'ckpt.pt') if os.path.isdir(path) else path
-    if path.endswith('.gguf'):
+    kind = _file_kind(ckpt) if os.path.isfile(ckpt) else None
+    if kind == 'gguf':
         import gguf
-        reader = gguf.GGUFReader(path)
-        model = _new_model(gguf_config_to_kwargs(reader, path), overrides, path)
-        _load_hf_state(model, _read_gguf_tensors(reader, path), path, gguf_key_map(model.config), ' in the GGUF file')
+        try:
+            reader = gguf.GGUFReader(ckpt)
+        except ValueError as e:   # gguf's numpy views of a file that ends too soon
+            raise UsageError(f"cannot read {ckpt} as a GGUF file (cut short?): {e}") from None
+        model = _new_model(gguf_config_to_kwargs(reader, ckpt), overrides, ckpt)
+        _load_hf_state(model, _read_gguf_tensors(reader, ckpt), ckpt, gguf_key_map(model.config), ' in the GGUF file')
         try:
             model.tokenizer = tokenizer_lib.HFTokenizer.from_gguf(reader)
         except tokenizer_lib.TokenizerError as e:   # e.g. SentencePiece vocabularies
-            warnings.warn(f"{path}: {e}; model.tokenizer is None (give one, e.g. --tokenizer <HF folder>)")
-    elif os.path.isfile(ckpt):
+            warnings.warn(f"{ckpt}: {e}; model.tokenizer is None (give one, e.g. --tokenizer <HF folder>)")
+    elif kind == 'ours':
         return _load_ours(ckpt, overrides, as_base)
     else:
         folder = _hf_folder(path)
@@ -626,7 +644,10 @@ def save(path, model, base=None, keep=(), **extra):
             os.unlink(tmp)
 
 def _load_ours(path, overrides, as_base):
-    obj = torch.load(path, map_location='cpu', weights_only=True)
+    try:
+        obj = torch.load(path, map_location='cpu', weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError) as e:   # a zip torch.save did not write, or a damaged one
+        raise UsageError(f"{path} is not a checkpoint torch can read: {str(e).splitlines()[0]}") from None
     if not isinstance(obj, dict) or not {'config', 'model'} <= set(obj):
         raise UsageError(f"{path} is not a checkpoint written by model.save")
     saved, base = GPTConfig(**obj['config']), obj.get('base')

@@ -22,11 +22,12 @@ import inspect
 import itertools
 import json
 import math
+import operator
 import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import numpy as np
@@ -98,36 +99,59 @@ def parse_config(cls, argv=None, doc=None):
     given = {a[2:].split('=')[0] for a in argv if a.startswith('--')}
     return cfg, {g[3:] if g.startswith('no_') and g[3:] in vars(ns) else g for g in given}
 
+_OPS = {'ge': ('>=', operator.ge), 'gt': ('>', operator.gt), 'le': ('<=', operator.le), 'lt': ('<', operator.lt)}
+
+def num(default, **bounds):
+    """A numeric config field and its valid range: ge=1 (>= 1), gt=0 (> 0), le=, lt=; a bound may name another field
+    (le='seq_len'). check_ranges checks them (the configs' __post_init__): the one place for numeric ranges."""
+    return field(default=default, metadata=bounds)
+
+def check_ranges(cfg):
+    """A ValueError naming the first numeric field of cfg outside its num() bounds (or not finite), and its range."""
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        limits = [(op, getattr(cfg, b) if isinstance(b, str) else b, b) for op, b in f.metadata.items()]
+        if limits and not (math.isfinite(v) and all(_OPS[op][1](v, x) for op, x, _ in limits)):
+            want = ' and '.join(f"{_OPS[op][0]} {b}" + (f" ({x})" if isinstance(b, str) else '') for op, x, b in limits)
+            raise ValueError(f"--{f.name} must be {want}, got {v}")
+
+def check_device(device):
+    """auto, cpu, cuda or cuda:N, and CUDA there if named (else a ValueError in one line)."""
+    if device not in ('auto', 'cpu', 'cuda') and not (device.startswith('cuda:') and device[5:].isdigit()):
+        raise ValueError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N")
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but CUDA is not available (use --device cpu or auto)")
+
 @dataclass
 class TrainConfig:
     task: Literal['ar', 'mqar', 'text', 'glue'] = 'ar'   # ar: one query at the end, mqar: eight
     data: str = ''                # text: a file, a folder of .txt files or a `datasets` name; glue: a folder
     glue_task: Literal[tuple(GLUE_TASKS)] = 'cola'
-    ar_vocab: int = 40            # associative recall vocabulary (keys = first half, values = second half)
-    seq_len: int = 128            # AR sequence length; text/GLUE context length
-    n_train: int = 10000          # AR training sequences (and 2000 test sequences)
+    ar_vocab: int = num(40, ge=4, le=2**16)   # associative recall vocabulary (keys = first half, values = second half)
+    seq_len: int = num(128, ge=2, le=2**20)   # AR sequence length; text/GLUE context length
+    n_train: int = num(10000, ge=1, le=2**20)   # AR training sequences (and 2000 test sequences)
     init_from: str = 'scratch'    # scratch | a HF folder or hub name | a .gguf file | one of our checkpoints
     tokenizer: str = ''           # text/glue: '' = bytes or the model's own | gpt2 (tiktoken) | HF folder, .gguf
     family: Literal['gpt2', 'llama', 'bert'] = 'llama'   # scratch models (glue: bert unless given)
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
+    n_layer: int = num(2, ge=1, le=2**10)
+    n_head: int = num(4, ge=1)
+    n_embd: int = num(64, ge=1, le=2**16)
+    dropout: float = num(0.0, ge=0, lt=1)
     init: Literal[tuple(INIT_STDS)] = 'wide'   # scratch: N(0, 0.08) weights, N(0, 1) embeddings | all N(0, 0.02)
-    short_conv: int = 2           # scratch causal models: taps of a causal conv on the keys (0 = none; model.py)
+    short_conv: int = num(2, ge=0, le='seq_len')   # scratch causal models: taps of a causal conv on the keys (0 = none)
     attn: str = 'hedgehog'        # softmax or a feature map, with options: exp:t=2, hedgehog:feature_dim=64,
                                   # lolcats:window=64:combine=mix, lln:diag_block=16, elu:impl=recurrent
-    max_iters: int = 1000
-    batch_size: int = 32          # per process, per micro-step
-    grad_accum: int = 1           # micro-steps per optimizer step, over all processes (DDP divides it)
-    lr: float = 3e-3              # AdamW; warmup, then cosine decay to lr/10 at max_iters; gradient clipping at 1
-    warmup_iters: int = 100
-    weight_decay: float = 0.1
-    eval_interval: int = 250      # evaluate and write out_dir/ckpt.pt every this many steps and at the end
+    max_iters: int = num(1000, ge=1)
+    batch_size: int = num(32, ge=1)   # per process, per micro-step
+    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step, over all processes (DDP divides it)
+    lr: float = num(3e-3, gt=0, le=1)   # AdamW; warmup, then cosine decay to lr/10 at max_iters; gradient clipping at 1
+    warmup_iters: int = num(100, ge=0)
+    weight_decay: float = num(0.1, ge=0, le=1)
+    eval_interval: int = num(250, ge=0)   # evaluate and write out_dir/ckpt.pt every this many steps and at the end
     out_dir: str = 'out'
     save: bool = True             # write out_dir/ckpt.pt
     resume: bool = False          # continue exactly from out_dir/ckpt.pt
-    seed: int = 1337
+    seed: int = num(1337, ge=0, lt=2**32)
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'   # auto: bf16 (or fp16) on CUDA, else fp32
     compare: str = ''             # comma-separated --attn values: one run each (same budget, seeds), one table
@@ -135,10 +159,10 @@ class TrainConfig:
     min_lr_ratio = 0.1            # not a flag: the cosine decays to lr / 10 at max_iters (nanoGPT)
 
     def __post_init__(self):
+        check_ranges(self)
+        check_device(self.device)
         for spec in [self.attn] + [s for s in self.compare.split(',') if s.strip()]:
             attention.AttnSpec.parse(spec)
-        if self.device not in ('auto', 'cpu', 'cuda') and not self.device.startswith('cuda:'):
-            raise ValueError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
 
     def data_config(self):
         return _subset(DataConfig, self)
@@ -231,8 +255,13 @@ def load_text(path_or_name, split='train'):
     if files == []:
         raise UsageError(f"no .txt files under {path_or_name}")
     if files:
-        return '\n\n'.join(open(fn, encoding='utf-8', errors='replace').read() for fn in files)
+        text = '\n\n'.join(open(fn, encoding='utf-8', errors='replace').read() for fn in files)
+        if '\0' in text:
+            raise UsageError(f"{path_or_name} is not text (it has NUL bytes): give a text file or a folder of .txt files")
+        return text
     name, _, config = path_or_name.partition(':')
+    if name.startswith(('/', '.', '~')) or name.endswith('.txt'):   # a path, not a `datasets` name
+        raise UsageError(f"no such file or folder: {path_or_name}")
     try:
         import datasets
         ds = datasets.load_dataset(name, config or None, split=split)
@@ -665,6 +694,8 @@ class Task:
             print(f"{cfg.task}: {self.size['train']:,} train / {self.size['val']:,} val examples")
         if self.size['train'] < 1:
             raise UsageError("no training data")
+        if cfg.batch_size > self.size['train']:
+            raise UsageError(f"--batch_size {cfg.batch_size} is more than the {self.size['train']:,} training examples")
 
     def batch(self, split, sel):
         if self.cfg.task == 'text':
@@ -838,7 +869,7 @@ def main(argv=None):
     try:
         return compare(cfg, explicit) if cfg.compare else train(cfg, explicit)
     except (NonFiniteLoss, UsageError, tokenizer_lib.TokenizerError, OSError) as e:  # one line; bugs: a traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(NONFINITE_EXIT if isinstance(e, NonFiniteLoss) else 2) from None
 
 if __name__ == '__main__':

@@ -316,7 +316,7 @@ def test_strict_reload_rejects_tampered_files(ckpts, text_file, tmp_path):
     (['--attn', 'hedgehog:feature_dim=7'], 'feature_dim'),
     (['--attn', 'elu', '--dof_budget', '8'], '--dof_budget is for'),
     (['--attn', 'dof', '--dof_clip'], '--dof_clip needs --dof_budget'),
-    (['--attn', 'dof', '--dof_budget', '8', '--dof_lambda', '0'], '--dof_lambda > 0'),
+    (['--attn', 'dof', '--dof_budget', '8', '--dof_lambda', '0'], '--dof_lambda must be > 0'),
     (['--loss', 'kl'], "bad --loss part 'kl'"),
 ])
 def test_bad_input_is_a_clear_error(extra, message, ckpts, text_file, tmp_path, capsys):

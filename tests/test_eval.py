@@ -439,7 +439,7 @@ def test_generate_next_to_teacher(tmp_path):
     (['--bench', 'nope'], 'attention, prefill, decode, all'),
     (['--bench', 'attention', '--sweep', '8,x'], 'comma-separated integers'),
     (['--lln', '--sweep', '0,1'], 'positive numbers'),
-    (['--fidelity', '--ckpt', 'x', '--context', '-1'], '--context, --stride, --limit, --max_new_tokens >= 0'),
+    (['--fidelity', '--ckpt', 'x', '--context', '-1'], '--context must be >= 0, got -1'),
     (['--fidelity', '--ckpt', 'x', '--qk', 'nope'], "choose from 'model', 'teacher'"),
     (['--glue', 'nope', '--ckpt', 'x'], 'cola'),
     (['--ppl', '--glue', 'cola'], 'exactly one report'),

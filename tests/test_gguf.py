@@ -11,6 +11,7 @@ import torch
 import gguf
 import transformers
 
+import attention as A
 import model as M
 import tokenizer as T
 
@@ -371,6 +372,19 @@ def test_unsupported_architecture_type_and_missing_tensor(tmp_path):
     wrong = dict(t, **{'blk.0.ffn_up.weight': t['blk.0.ffn_up.weight'][:64]})
     with pytest.raises(ValueError, match=r"shape mismatches: blk\.0\.ffn_up\.weight: file \(64, 64\) vs model"):
         M.GPT.from_pretrained(write_gguf(tmp_path / 'e.gguf', m.config, wrong))
+
+
+def test_a_gguf_file_cut_short_or_not_gguf_is_one_usage_error(tmp_path):
+    """Issue 44: a GGUF file an interrupted copy cut short, and a text file named .gguf, are each a UsageError naming
+    the file (the scripts print it in one line), not a traceback from gguf's reader."""
+    whole = open(write_gguf(tmp_path / 'm.gguf', _model().config, gguf_tensors(_model())), 'rb').read()
+    for n in (len(whole) // 2, 100):
+        (tmp_path / 'cut.gguf').write_bytes(whole[:n])
+        with pytest.raises(A.UsageError, match=r"cannot read .*cut\.gguf as a GGUF file \(cut short\?\)"):
+            M.load(str(tmp_path / 'cut.gguf'))
+    (tmp_path / 'text.gguf').write_text('not a model\n')
+    with pytest.raises(A.UsageError, match=r"text\.gguf is not a checkpoint: neither ours .* nor a GGUF file"):
+        M.load(str(tmp_path / 'text.gguf'))
 
 
 def test_rope_scaling_metadata(tmp_path):

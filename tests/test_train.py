@@ -550,12 +550,13 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch, c
     assert sha(ckpt) == before
 
 
-def test_absurd_lr_stops_with_exit_status(tmp_path):
+def test_diverging_lr_stops_with_exit_status(tmp_path):
+    """The largest --lr allowed (1; above it, one line and exit 2) sends hedgehog's exponentials to inf within steps."""
     r = subprocess.run([sys.executable, 'train.py'] + TINY + [
-        '--out_dir', str(tmp_path / 'x'), '--max_iters', '50', '--eval_interval', '50', '--lr', '1e9',
-        '--warmup_iters', '0', '--attn', 'softmax'], cwd=ROOT, capture_output=True, text=True)
+        '--out_dir', str(tmp_path / 'x'), '--max_iters', '50', '--eval_interval', '50', '--lr', '1',
+        '--warmup_iters', '0', '--attn', 'hedgehog'], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == T.NONFINITE_EXIT, r.stdout + r.stderr
-    assert 'non-finite' in r.stderr and 'lower --lr (now 1e+09)' in r.stderr
+    assert 'train.py: error: non-finite' in r.stderr and 'lower --lr (now 1)' in r.stderr
     assert 'no checkpoint was written' in r.stderr
 
 
