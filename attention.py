@@ -132,9 +132,16 @@ class FeatureMap(nn.Module):
         return torch.exp(self.log_phi(acc(x), which, offset))
 
 def _per_head_linear(x, weight, bias=None):
-    """One Linear per head: x (..., H, T, D), weight (H, F, D), bias (H, F) -> (..., H, T, F)."""
-    y = x @ like(weight, x).mT
-    return y if bias is None else y + like(bias, x)[:, None]
+    """One Linear per head: x (..., H, T, D), weight (H, F, D), bias (H, F) -> (..., H, T, F), as one
+    batched product over the heads (the weights are not copied: the rows of x are)."""
+    *lead, H, T, D = x.shape
+    rows = x.movedim(-3, 0).reshape(H, -1, D)                         # (H, N, D)
+    weight = like(weight, x).mT                                       # (H, D, F)
+    if bias is None:
+        y = torch.bmm(rows, weight)
+    else:
+        y = torch.baddbmm(like(bias, x)[:, None], rows, weight)       # (H, N, F)
+    return y.view(H, *lead, T, -1).movedim(0, -3)
 
 class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D, no parameters."""
