@@ -255,7 +255,7 @@ def report_generate(args):
         for name, m in runs:
             t0 = time.perf_counter()
             new = m.generate(torch.tensor([ids], device=args.device), args.max_new_tokens, temperature=0.0,
-                             eos_token_id=tok.eos_id)[0, len(ids):].tolist()
+                             eos_token_id=tok.eos_id, cuda_graph=args.graph)[0, len(ids):].tolist()
             sec = time.perf_counter() - t0
             row[name] = {'text': tok.decode(new), 'tokens': len(new), 'seconds': round(sec, 3)}
             log(f'  {name:>20s}: {tok.decode(new)!r}  ({len(new)} tokens, {len(new) / sec:.1f} tok/s)')
@@ -707,32 +707,54 @@ def bench_forward(part, lengths, specs, device):
             log(f'  {part} T={T:6d} {label:12s} {rows[-1]["ms"]:9.2f} ms  peak +{rows[-1]["peak_mb"] or 0:8.1f} MB')
     return rows
 
+def step_ops(fn):
+    """The top-level aten ops one call of fn() runs (torch.profiler; ops inside another aten op not counted)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def top_level(e):
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith('aten::'):
+            parent = parent.cpu_parent
+        return parent is None
+    return sum(1 for e in prof.events() if e.name.startswith('aten::') and top_level(e))
+
 @torch.no_grad()
-def bench_decode(lengths, specs, device, model=None, teacher=True):
-    """Per-token decode time and memory at generated length L, greedy: model.prefill builds the state of the first
-    L - DECODE_STEPS - 2 tokens (the KV cache or recurrent state generation would hold), then Timer.timeit runs 2
-    warm-up and DECODE_STEPS timed model.decode_step calls up to L (their mean); memory: the attention state (exact)
-    and the process RSS. Random models of softmax and each map, or `model`'s attention against its softmax teacher
-    (teacher=False: alone)."""
+def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,), graph=False):
+    """Per-token decode time and memory at generated length L, greedy, for each batch size B: model.prefill builds
+    the state of the first L - DECODE_STEPS - 2 tokens of B random rows (the KV cache or recurrent state generation
+    would hold), then Timer.timeit runs 2 warm-up and DECODE_STEPS timed steps up to L (their mean): model.decode_step,
+    or with graph the step replayed as a CUDA graph (model.DecodeGraph); tokens/s: B / time per step. aten_ops: the
+    top-level aten ops of one eager step. Memory: the attention state (exact) and the process RSS. Random models of
+    softmax and each map, or `model`'s attention against its softmax teacher (teacher=False: alone)."""
     rows, own = [], specs if model is None else [(describe_attention(model), None)]
     for label, spec in [('softmax', attention.AttnSpec())] * (model is None or teacher) + own:
         m = model if model is not None else bench_model(spec, max(lengths) + 1, 1, 2, 128, device)
         with m.capture_qkv(layers=(), teacher=model is not None and label == 'softmax'):   # the teacher mode only
-            for L in lengths:
+            for B, L in itertools.product(batches, lengths):
                 steps = min(DECODE_STEPS, max(L // 2, 1))
-                pos = max(L - steps - 2, 1)
-                logits, states = m.prefill(torch.randint(0, m.config.vocab_size, (1, pos), device=device))
-                run = {'tok': logits.argmax(-1), 'pos': pos, 'states': states}
+                pos = max(L - steps - 3, 1)
+                logits, states = m.prefill(torch.randint(0, m.config.vocab_size, (B, pos), device=device))
+                run = {'tok': logits.argmax(-1), 'pos': torch.full((1,), pos, device=device), 'states': states}
 
                 def step():
                     logits, run['states'] = m.decode_step(run['tok'], run['pos'], run['states'])
                     run['tok'], run['pos'] = logits.argmax(-1), run['pos'] + 1
+                ops = step_ops(step)
+                if graph:   # from here on the step is the graph's
+                    g = M.DecodeGraph(m, run['tok'], run['pos'], run['states'], L + 1)
+                    run['states'] = g.states
+
+                    def step():
+                        run['tok'] = g(run['tok']).argmax(-1)
                 sec = timed(step, steps)
-                rows.append({'attn': label, 'length': L, 'ms_per_token': sec * 1e3, 'tokens_per_s': 1 / sec,
-                             'state_mb': m.decode_state_nbytes(run['states']) / 2**20, 'rss_mb': _proc_mb('VmRSS')})
+                name = label + (f', B={B}' if len(batches) > 1 else '')
+                rows.append({'attn': name, 'batch': B, 'length': L, 'ms_per_token': sec * 1e3,
+                             'tokens_per_s': B / sec, 'aten_ops': ops, 'rss_mb': _proc_mb('VmRSS'),
+                             'state_mb': m.decode_state_nbytes(run['states']) / 2**20})
                 del run, states, logits
-                log(f'  decode {label:12s} at {L:6d} tokens: {sec * 1e3:7.3f} ms/token, '
-                    f'state {rows[-1]["state_mb"]:9.3f} MB, RSS {rows[-1]["rss_mb"] or 0:8.1f} MB')
+                log(f'  decode {name:12s} at {L:6d} tokens: {sec * 1e3:7.3f} ms/token, {B / sec:9.1f} tokens/s, '
+                    f'{ops} aten ops, state {rows[-1]["state_mb"]:9.3f} MB, RSS {rows[-1]["rss_mb"] or 0:8.1f} MB')
     return rows
 
 BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
@@ -741,8 +763,9 @@ BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
     'prefill': ('T', ('ms', 'peak_mb'), 'Model prefill (gpt2-style, 2 layers, 12 heads, n_embd 768, vocab 256), median '
                 'ms / peak extra memory MB', lambda r: f'{r["ms"]:.1f} ms / {r["peak_mb"] or 0:.1f}'),
     'decode': ('length', ('ms_per_token', 'state_mb'), 'Decode ({decode_model}), per-token ms (tokens/s), attention '
-               'state MB, process RSS MB, vs generated length', lambda r: f'{r["ms_per_token"]:.3f} ms '
-               f'({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, RSS {r["rss_mb"] or 0:.0f}')}
+               'state MB, process RSS MB, aten ops per step, vs generated length', lambda r: f'{r["ms_per_token"]:.3f} '
+               f'ms ({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, RSS {r["rss_mb"] or 0:.0f}, '
+               f'{r["aten_ops"]} ops')}
 
 def bench_markdown(res):
     """A table per part, a row per length, a column per map; decode: longest over shortest length, per map."""
@@ -783,8 +806,11 @@ def report_bench(args):
                                    f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
         mine = describe_attention(model) if part == 'decode' and model else ', '.join(cfg['maps'])
         log(f'{part}: {mine} vs softmax at lengths {lengths}')
-        res[part] = bench_decode(lengths, specs, args.device, model, args.teacher) if part == 'decode' else \
-            bench_forward(part, lengths, specs, args.device)
+        if part == 'decode':
+            batches = parse_list(args.decode_batch or '1', 'decode_batch')
+            res[part] = bench_decode(lengths, specs, args.device, model, args.teacher, batches, args.graph)
+        else:
+            res[part] = bench_forward(part, lengths, specs, args.device)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
     os.makedirs(args.out_dir, exist_ok=True)
     with open(res['table'], 'w') as f:
@@ -835,6 +861,8 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     maps: str = ''                # maps against softmax, with options (exp:t=2): bench (default elu), fidelity
                                   # (default for a softmax model: elu,performer,cosformer,taylor,hedgehog)
     teacher: bool = True          # bench decode --ckpt: time its softmax teacher too (--no_teacher: the model only)
+    decode_batch: str = ''        # bench decode: batch sizes, comma-separated (default 1)
+    graph: bool = False           # bench decode, generate: replay the one-token step as a CUDA graph (CUDA only)
     qk: Literal['model', 'teacher'] = 'model'   # fidelity: q, k from the model's own pass, or from its softmax
                                                 # teacher's (every core in teacher mode, as convert.py measures it)
     heads: str = ''               # fidelity figures: layer:head pairs, e.g. 0:0,11:3 (default first and last layer,
@@ -850,6 +878,8 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
         train.check_ranges(self)
         train.check_device(self.device)
         self.device = ('cuda' if torch.cuda.is_available() else 'cpu') if self.device == 'auto' else self.device
+        if self.graph and not self.device.startswith('cuda'):
+            raise UsageError(f'--graph replays CUDA graphs: it needs --device cuda, not {self.device}')
         parse_maps(self.maps)   # their specs, checked here
         attention.AttnSpec.parse(self.attn or 'softmax')
 
