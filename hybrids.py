@@ -4,8 +4,8 @@ The attention core of one layer, `Attention`, and the hybrids of softmax and lin
      (LLN+Diag)
   2. the decode states, one small type each: LinearState (S, z, m), KVCache, Pairs (sinks, LoLA's cache, the window
      buffer), WindowState, DiagState, SplitState (exact heads beside the rest)
-  3. LoLA's sparse-cache update (lola_select) and its schedule written out token by token (lola_reference, float64:
-     the definition the fast forms are tested against)
+  3. LoLA's sparse-cache update (lola_select); its schedule written out token by token in float64, the
+     definition the fast forms are tested against, is tests/test_cache.py's lola_reference
   4. Attention: the mode (softmax, linear, window, diag) fixed when it is built, one method per mode and phase
      (parallel: all tokens from the start; decode: continuing from a state)
 
@@ -441,54 +441,6 @@ def lola_select(state, cand, n_keep, kv_groups):
     fold = rep(torch.ones_like(sre, dtype=torch.bool).scatter(-1, keep, False))                  # (B, H, L)
     return keep, state.fold(cand.phi * fold[..., None], cand.c.masked_fill(~fold, NO_KEY), rep(cand.v),
                             len(cand) - keep.shape[-1])
-
-@torch.no_grad()
-def lola_reference(core, q, k, v):
-    """The window hybrid with LoLA's cache written out token by token from sets of indices, in float64: what
-    Attention computes for spec window=w, sinks=s, cache=N, cache_block=C. Query t's softmax part: the sinks (j < s),
-    the cache G and the tokens p..t; its linear part: the folded pairs, with the exact kernel phi(q).phi(k). When the
-    block p..p+C-1 has left the window (t - w >= p + C - 1), G and the block compete: per KV head, the mean over its
-    query heads of ||S^T phi(k_j) / z^T phi(k_j) - v_j||^2 (S, z: sums over the folded pairs; 0 recalled where
-    z^T phi(k_j) = 0); the N largest stay, the rest are folded, and p moves on by C. Attention runs the same schedule
-    vectorised; this is sequential for clarity (and slow: tests and small checks)."""
-    spec, g, H = core.spec, core.kv_groups, q.shape[1]
-    w, ns, N, C = spec.window, spec.sinks, spec.cache, spec.cache_block
-    q, k, v = q.double(), k.double(), v.double()
-    fm = copy.deepcopy(core.fmap).double()
-    pq, pk = fm.phi(q, 'q', 0), fm.phi(k, 'k', 0)   # the exact features
-    f, (B, _, T, D) = core.factor().double(), q.shape
-    G, folded = ([[[] for _ in range(H // g)] for _ in range(B)] for _ in range(2))
-    y, p = torch.zeros_like(v), ns
-    for t in range(T):
-        if t - w >= p + C - 1:   # the pending block has left the window: the update
-            for b in range(B):
-                for hk in range(H // g):
-                    cand, sre = G[b][hk] + list(range(p, p + C)), torch.zeros(len(G[b][hk]) + C, dtype=torch.float64)
-                    for h in range(hk * g, hk * g + g):
-                        S = sum((torch.outer(pk[b, h, j], v[b, h, j]) for j in folded[b][hk]), pk.new_zeros(pk.shape[-1], v.shape[-1]))
-                        z = sum((pk[b, h, j] for j in folded[b][hk]), pk.new_zeros(pk.shape[-1]))
-                        for i, j in enumerate(cand):
-                            den = z @ pk[b, h, j]
-                            recall = S.T @ pk[b, h, j] / den if den > 0 else torch.zeros_like(v[b, h, j])
-                            sre[i] += ((recall - v[b, h, j]) ** 2).sum() / g
-                    keep = set(sre.topk(min(N, len(cand))).indices.tolist())
-                    G[b][hk] = sorted(cand[i] for i in keep)
-                    folded[b][hk] += [cand[i] for i in range(len(cand)) if i not in keep]
-            p += C
-        for b in range(B):
-            for h in range(H):
-                soft, lin = list(range(min(ns, t + 1))) + G[b][h // g] + list(range(max(p, ns), t + 1)), folded[b][h // g]
-                s = torch.stack([q[b, h, t] @ k[b, h, j] for j in soft]) / math.sqrt(D)
-                a = torch.exp(s - s.max())   # the window part, unnormalised: exp(s - m), m the row's largest score
-                if not lin:
-                    y[b, h, t] = a @ v[b, h, soft] / a.sum()
-                    continue
-                kl = torch.stack([pq[b, h, t] @ pk[b, h, j] for j in lin])   # the linear part: phi(q).phi(k)
-                if spec.combine == 'joint':   # one normalisation of gamma exp(s - m) and phi(q).phi(k)
-                    y[b, h, t] = (f[h] * a @ v[b, h, soft] + kl @ v[b, h, lin]) / (f[h] * a.sum() + kl.sum())
-                else:                         # mix: s y_window + (1 - s) y_linear
-                    y[b, h, t] = f[h] * a @ v[b, h, soft] / a.sum() + (1 - f[h]) * kl @ v[b, h, lin] / kl.sum()
-    return y
 
 # ---- 4. the attention core of one layer -------------------------------------------
 class Attention(nn.Module):

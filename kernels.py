@@ -1,6 +1,6 @@
 """
 Causal linear attention in Triton: the naive reference, five kernels in five launches, the
-autograd wrapper, a static estimate of their time on an H100 (--plan), a CUDA benchmark.
+autograd wrapper, a CUDA benchmark (where the time goes on an H100: docs/RESULTS.md 16.6).
 
 What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values
 v (B, H, T, D):
@@ -30,7 +30,7 @@ r_t = exp(M_j-1 - m_t)):
 
 The denominator comes from the same A and z, not from a separate pass (where published kernels had
 silent gradient bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128,
-D=64, bf16; `python kernels.py --plan`):
+D=64, bf16):
 
     fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores
                                    S_j, z_j; holds its (BF, BD) = (32, 32) block of S in fp32
@@ -602,66 +602,7 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
         return out
     return out[0], out[1:] if shifted else out[1:3]
 
-# ---- the static estimate (python kernels.py --plan) -----------------------------------------
-HBM, PEAK, SMS = 3.35e12, 989e12, 132   # an H100 SXM: bytes/s, bf16 dense tensor-core FLOP/s, SMs
-
-def _plan(B, H, T, F, D, chunk=DEFAULT_CHUNK):
-    """name -> (grid, bytes, FLOPs) of every launch with bf16 operands: every tile a program loads
-    or stores, once (no cache reuse assumed); the tl.dot FLOPs at full chunks (the masked halves of
-    the (BT, BT) blocks included)."""
-    BH, C = B * H, chunk
-    L = _launches(BH, T, F, D, chunk, dict(BF16=True, PRECISION='tf32'))
-    col, rows = BH * T * 2, BH * T * 4      # bytes of a bf16 column (per feature), of an fp32 row vector
-    nt = BH * triton.cdiv(T, C)             # chunks x heads
-
-    def states(n_z):   # the bf16 states (F, D) once, their fp32 z (F,) n_z times
-        return nt * (2 * F * D + 4 * F * n_z)
-    fs, ds = L['fwd state'][1][1:]          # the sequential passes' feature and value blocks
-    n = {name: grid[2] for name, (_, grid, _) in L.items()}   # blocks along the third grid axis
-    n_out, n_dqk, n_dv = n['fwd out'], n['bwd dqk'], n['bwd dv']
-    seq_bytes = col * (ds * F + fs * D)     # a sequential pass reads its two inputs once per block
-    cost = {'fwd state': (seq_bytes + states(1) + rows * fs * ds, 2 * BH * T * F * D),
-            'fwd out': (col * (2 * F * n_out + 2 * D) + states(n_out) + rows * (2 * n_out + 1),
-                        2 * BH * T * (C * F * n_out + F * D + C * D)),
-            'bwd dstate': (seq_bytes + states(1) + 3 * rows * fs * ds, 2 * BH * T * F * D),
-            'bwd dqk': (col * (2 * D * n_dqk + 4 * F) + 2 * states(1) + 4 * rows * n_dqk,
-                        2 * BH * T * (C * D * n_dqk + 2 * D * F + 2 * C * F)),
-            'bwd dv': (col * (2 * F * n_dv + 2 * D) + states(0) + 3 * rows * n_dv,
-                       2 * BH * T * (C * F * n_dv + F * D + C * D))}
-    return {name: (L[name][1], *cost[name]) for name in L}
-
-PLAN_NOTE = """\
-Each launch takes max(bytes / 3.35 TB/s, FLOPs / 989 TFLOP/s), an H100 SXM's HBM3 and bf16
-dense tensor-core peaks, divided by min(1, programs / 132 SMs). Bytes: every tile each program
-loads or stores, once per program (no cache reuse); FLOPs: its tl.dot products at full tiles. The
-backward runs 'fwd state' again. Not counted: the PyTorch glue (the running max, dy.y, reshapes)
-and launch overheads. SDPA: 2 B H T^2 D FLOPs forward (causal), 2.5x that backward
-(FlashAttention-2's count), at 989 TFLOP/s: a time it cannot beat. This is the figure a GPU run of
-"""
-
-def _print_plan(B, H, Ts, F, D):
-    """python kernels.py --plan: every launch's grid, bytes, FLOPs and time at each T, then fwd and
-    fwd+bwd against SDPA."""
-    print(f'python kernels.py --plan: a static estimate, not a measurement; B={B} H={H} F={F} D={D}, '
-          f'bf16 operands, BLOCK_T={DEFAULT_CHUNK}.\n' + PLAN_NOTE +
-          f'`python kernels.py --B {B} --F {F} --D {D} --T ...` is to be checked against.\n')
-    print(f'{"T":>6}  {"launch":<11}{"grid":<16}{"MB":>9}{"GFLOP":>9}{"us":>9}')
-    rows = []
-    for T in Ts:
-        plan, us = _plan(B, H, T, F, D), {}
-        for name, (grid, nbytes, flops) in plan.items():
-            filled = min(1., grid[0] * grid[1] * grid[2] / SMS)   # the share of the SMs it fills
-            us[name] = max(nbytes / HBM, flops / PEAK) / filled * 1e6   # roofline
-            print(f'{T:>6}  {name:<11}{str(grid):<16}{nbytes / 1e6:>9.1f}{flops / 1e9:>9.2f}'
-                  f'{us[name]:>9.1f}')
-        fwd, sdpa = us['fwd state'] + us['fwd out'], 2 * B * H * T * T * D / PEAK * 1e6
-        fwd_bwd = fwd + sum(v for k, v in us.items() if k != 'fwd out')
-        rows.append((T, fwd, sdpa, fwd_bwd, 3.5 * sdpa))
-    print(f'\n{"T":>6} {"fwd us":>9} {"SDPA fwd":>9} {"ratio":>6} {"fwd+bwd":>9} {"SDPA f+b":>9} '
-          f'{"ratio":>6}')
-    for T, f, s, fb, sfb in rows:
-        print(f'{T:>6} {f:>9.1f} {s:>9.1f} {s / f:>5.1f}x {fb:>9.1f} {sfb:>9.1f} {sfb / fb:>5.1f}x')
-
+# ---- the benchmark (python kernels.py, CUDA) ---------------------------------------------------
 def _benchmark(B, H, Ts, F, D, dt):
     """python kernels.py: median ms of the kernel, the naive reference, SDPA (and fla's chunk form
     where installed), forward and forward+backward, on CUDA."""
@@ -697,29 +638,17 @@ def _benchmark(B, H, Ts, F, D, dt):
             cells.append(f'{((y - yf).norm() / y.norm()).item():.1e}')
         print(f'{T:>6} ' + ' '.join(f'{c:>16}' for c in cells))
 
-if __name__ == '__main__':
-    # python kernels.py [--plan] [--T 1024,4096] [--B 4] [--dtype bfloat16] [--F 128] [--D 64]
+if __name__ == '__main__':   # python kernels.py [--T 1024,4096] [--B 4] [--dtype bfloat16] [--F 128] [--D 64]
     import argparse
     p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch '
-                                            'SDPA (CUDA), or print its static estimate (--plan, no '
-                                            'GPU needed).')
-    p.add_argument('--plan', action='store_true', help="print each launch's grid, bytes, FLOPs "
-                   "(bf16) and the time they imply on an H100, beside SDPA's (T default 1K..64K); "
-                   "no GPU needed")
-    p.add_argument('--T', default=None, help='comma-separated sequence lengths (default '
-                                             '1024,4096,16384)')
+                                            'SDPA on a CUDA GPU.')
+    p.add_argument('--T', default='1024,4096,16384', help='comma-separated sequence lengths')
     p.add_argument('--B', type=int, default=4, help='batch size (12 heads)')
     p.add_argument('--dtype', default='bfloat16', choices=['float32', 'bfloat16', 'float16'])
     p.add_argument('--F', type=int, default=128, help='feature dimension (the kernel: F <= 256)')
     p.add_argument('--D', type=int, default=64, help='head dimension (the kernel: D <= 128)')
     a = p.parse_args()
-    if a.plan:
-        Ts = [int(t) for t in (a.T or ','.join(str(1024 << i) for i in range(7))).split(',')]
-        if not HAS_TRITON:
-            raise SystemExit('kernels.py --plan needs triton')
-        raise SystemExit(_print_plan(a.B, 12, Ts, a.F, a.D))
     if not (HAS_TRITON and torch.cuda.is_available()):
         raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU '
                          '(tests/test_kernels.py: on CPU)')
-    _benchmark(a.B, 12, [int(t) for t in (a.T or '1024,4096,16384').split(',')], a.F, a.D,
-               getattr(torch, a.dtype))
+    _benchmark(a.B, 12, [int(t) for t in a.T.split(',')], a.F, a.D, getattr(torch, a.dtype))
