@@ -1,9 +1,10 @@
-"""docs/COURSE.md, run. Each lesson's `# lesson N` block (and its Python snippet) runs at a tiny size in CI: the
-sizes shrunk, SmolLM2 replaced by a tiny local file, the data the repository's own (data/), and every line the lesson shows as output must be
-printed (its numbers aside). With --course-full, lessons 1-5 run as written on data, and the numbers
-printed must agree with the ones the lesson states: within 2 % (lesson 3: within 0.02), error magnitudes such as
-1.7e-07 below 1e-5; the wall time of each lesson is printed (the teacher's note). Lesson 6 needs SmolLM2: its full
-run is a measurement (docs/RESULTS.md), not a test."""
+"""docs/COURSE.md, run. Each lesson's `# lesson N` block (and its Python snippet, as pasted into
+`python`) runs at a tiny size in CI: the sizes shrunk, SmolLM2 replaced by a tiny local file, the
+data the repository's own (data/), and every line the lesson shows as output must be printed (its
+numbers aside). With --course-full, lessons 1-5 run as written on data, and the numbers printed must
+agree with the ones the lesson states: within 2 % (lesson 3: within 0.02), error magnitudes such as
+1.7e-07 below 1e-5; the wall time of each lesson is printed (the teacher's note). Lesson 6 needs
+SmolLM2: its full run is a measurement (docs/RESULTS.md), not a test."""
 import contextlib
 import io
 import os
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from code import InteractiveConsole
 
 import pytest
 import torch
@@ -47,13 +49,21 @@ def lessons():
 LESSONS = lessons()
 
 
+def reraise(*args, **kwargs):
+    raise
+
+
 def run_lesson(n, cwd, shrink):
-    """Runs lesson n's snippets and block in cwd; returns what they printed."""
+    """Runs lesson n's snippets, line by line as pasted into `python`, and its block in cwd; returns what they
+    printed."""
     snippets, block, _ = LESSONS[n]
     printed = io.StringIO()
     for code in snippets:
+        console = InteractiveConsole({'__name__': 'lesson'})
+        console.showsyntaxerror = console.showtraceback = reraise   # (the REPL would print them and go on)
         with contextlib.redirect_stdout(printed):
-            exec(compile(code, f'lesson {n} snippet', 'exec'), {'__name__': 'lesson'})
+            for line in code.splitlines() + ['']:
+                console.push(line)
     if shrink:
         block = block.replace('\\\n', ' ')
         for pattern, repl in SHRINK:
