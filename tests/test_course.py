@@ -7,6 +7,7 @@ agree with the ones the lesson states: within 2 % (lesson 3: within 0.02), error
 SmolLM2: its full run is a measurement (docs/RESULTS.md), not a test."""
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -32,6 +33,10 @@ SHRINK = [(r'--max_iters \d+', '--max_iters 3 --n_train 64 --seq_len 32 --n_embd
           (r'^G=.*$', 'G=tiny.gguf'), (r'^pip .*$', ''),
           (r'python (\w+\.py)', rf'{sys.executable} {ROOT}/\1')]
 TOLERANCE = {3: dict(abs=0.02)}
+# lesson 1's sentences on memory (times vary by machine, memory does not): table, map, length, MB stated
+LESSON1_MB = [('decode', 'softmax', 512, 0.87), ('decode', 'softmax', 4096, 7.87),
+              ('decode', 'elu', 4096, 0.03), ('attention', 'elu', 512, 21),
+              ('attention', 'elu', 4096, 146), ('attention', 'softmax', 4096, 12)]
 
 
 def lessons():
@@ -120,3 +125,9 @@ def test_lesson_as_written_prints_the_stated_numbers(n, monkeypatch):
                 assert float(a) < 1e-5, (n, got)
             else:
                 assert float(a) == pytest.approx(float(b), **TOLERANCE.get(n, dict(rel=0.02))), (n, got, want)
+    if n == 1:   # its memory, as bench.json has it, rounded as the tables print it
+        bench = json.load(open(os.path.join(ROOT, 'out', 'course', 'l1', 'bench.json')))
+        for part, attn, length, mb in LESSON1_MB:
+            row = next(r for r in bench[part] if r['attn'] == attn and length in (r.get('T'), r.get('length')))
+            got = round(row['state_mb' if part == 'decode' else 'peak_mb'], 2)
+            assert f'{mb} MB' in open(COURSE, encoding='utf-8').read() and got == pytest.approx(mb, rel=0.02), row
