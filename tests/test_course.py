@@ -2,9 +2,10 @@
 `python`) runs at a tiny size in CI: the sizes shrunk, SmolLM2 replaced by a tiny local file, the
 data the repository's own (data/), and every line the lesson shows as output must be printed (its
 numbers aside). With --course-full, lessons 1-5 run as written on data, and the numbers printed must
-agree with the ones the lesson states: within 2 % (lesson 3: within 0.02), error magnitudes such as
-1.7e-07 below 1e-5; the wall time of each lesson is printed (the teacher's note). Lesson 6 needs
-SmolLM2: its full run is a measurement (docs/RESULTS.md), not a test."""
+agree with the ones the lesson states: within 2 % (lesson 3: within 0.02; lesson 1's peak memory:
+within 1 MB), error magnitudes such as 1.7e-07 below 1e-5; the wall time of each lesson is printed
+(the teacher's note). Lesson 6 needs SmolLM2: its full run is a measurement (docs/RESULTS.md), not a
+test."""
 import contextlib
 import io
 import json
@@ -33,7 +34,8 @@ SHRINK = [(r'--max_iters \d+', '--max_iters 3 --n_train 64 --seq_len 32 --n_embd
           (r'^G=.*$', 'G=tiny.gguf'), (r'^pip .*$', ''),
           (r'python (\w+\.py)', rf'{sys.executable} {ROOT}/\1')]
 TOLERANCE = {3: dict(abs=0.02)}
-# lesson 1's sentences on memory (times vary by machine, memory does not): table, map, length, MB stated
+# lesson 1's sentences on memory (times vary by machine, memory does not): table, map, length, MB stated;
+# a state's size is exact, a peak (the resident set's) moves by a fraction of a MB: within 1 MB
 LESSON1_MB = [('decode', 'softmax', 512, 0.87), ('decode', 'softmax', 4096, 7.87),
               ('decode', 'elu', 4096, 0.03), ('attention', 'elu', 512, 21),
               ('attention', 'elu', 4096, 146), ('attention', 'softmax', 4096, 12)]
@@ -129,5 +131,6 @@ def test_lesson_as_written_prints_the_stated_numbers(n, monkeypatch):
         bench = json.load(open(os.path.join(ROOT, 'out', 'course', 'l1', 'bench.json')))
         for part, attn, length, mb in LESSON1_MB:
             row = next(r for r in bench[part] if r['attn'] == attn and length in (r.get('T'), r.get('length')))
-            got = round(row['state_mb' if part == 'decode' else 'peak_mb'], 2)
-            assert f'{mb} MB' in open(COURSE, encoding='utf-8').read() and got == pytest.approx(mb, rel=0.02), row
+            got, tol = (row['state_mb'], dict(rel=0.02)) if part == 'decode' else (row['peak_mb'], dict(abs=1))
+            assert f'{mb} MB' in open(COURSE, encoding='utf-8').read(), mb
+            assert round(got, 2) == pytest.approx(mb, **tol), row
