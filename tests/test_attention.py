@@ -66,25 +66,42 @@ def test_state_carry_over(impl):
     assert rel_err(S2, S) < 1e-5 and rel_err(z2, z) < 1e-5
 
 
+@pytest.mark.parametrize("case", ['state', 'key_shifts', 'key_shifts_no_state'])
 @pytest.mark.parametrize("impl", PATHS + ('reference',))
-def test_linear_attention_matches_definition(impl):
-    """Every path, and kernels.py's reference, against the formula written out with a loop in float64 (with an initial
-    state (S0, z0)): y_t = phi_q_t . (S0 + sum_{s<=t} phi_k_s v_s^T) / phi_q_t . (z0 + sum_{s<=t} phi_k_s)."""
-    q, k, v = qkv(T=11)
+def test_linear_attention_matches_definition(impl, case):
+    """Every path, and kernels.py's reference, against the formula written out with a loop in float64, from an
+    initial state (S0, z0) ('state'), with key shifts c_k and (S0, z0, m0) ('key_shifts') or with key shifts and no
+    initial state: y_t = phi_q_t . S_t / phi_q_t . z_t, S_t = exp(m0) S0 + sum_{s<=t} exp(c_s) phi_k_s v_s^T and
+    z_t likewise (the exact features; c = m0 = 0 where not given, S0 = z0 = 0 without a state), 0 for a query whose
+    features are all 0. The returned state: S_T, z_T in units exp(-m), m the largest shift seen (m0 included)."""
+    T, shifts = 11, case != 'state'
+    q, k, v = qkv(T=T)
     phi_q, phi_k = A.make_feature_map('elu', D, H)(q, k)
+    phi_q[:, :, 5] = 0   # a query without features: denominator 0
     g = torch.Generator().manual_seed(1)
     S0, z0 = torch.randn(B, H, D, D, generator=g), torch.rand(B, H, D, generator=g) * 3
+    c, m0 = torch.randn(B, H, T, generator=g) * 3 - 10, torch.randn(B, H, generator=g) - 10   # below 0
+    init = {'state': (S0, z0), 'key_shifts': (S0, z0, m0), 'key_shifts_no_state': None}[case]
+    kw = dict(initial_state=init, return_state=True, c_k=c if shifts else None)
     if impl == 'reference':
-        y = K.causal_linear_attention_reference(phi_q, phi_k, v, initial_state=(S0, z0))
+        y, state = K.causal_linear_attention_reference(phi_q, phi_k, v, **kw)
     else:
-        y = A.linear_attention(phi_q, phi_k, v, impl=impl, chunk_size=4, initial_state=(S0, z0))
-    pq, pk, vd = phi_q.double(), phi_k.double(), v.double()
+        y, state = A.linear_attention(phi_q, phi_k, v, impl=impl, chunk_size=4, **kw)
+    c = c.double() if shifts else torch.zeros(B, H, T, dtype=torch.float64)
+    m0 = m0.double() if case == 'key_shifts' else torch.zeros(B, H, dtype=torch.float64)
+    pq, pk, vd = phi_q.double(), phi_k.double() * c.exp()[..., None], v.double()
+    S, z = (S0.double() * m0.exp()[..., None, None], z0.double() * m0.exp()[..., None]) if init else (0., 0.)
     ref = torch.zeros_like(vd)
-    for t in range(11):
-        w = (pq[:, :, t:t + 1] * pk[:, :, :t + 1]).sum(-1)  # (B, H, t+1)
-        num = (w[..., None] * vd[:, :, :t + 1]).sum(2) + (pq[:, :, t, :, None] * S0.double()).sum(2)
-        ref[:, :, t] = num / (w.sum(-1, keepdim=True) + (pq[:, :, t] * z0.double()).sum(-1, keepdim=True))
+    for t in range(T):
+        S, z = S + pk[:, :, t, :, None] * vd[:, :, t, None], z + pk[:, :, t]
+        den = (pq[:, :, t] * z).sum(-1, keepdim=True)
+        ref[:, :, t] = (pq[:, :, t, :, None] * S).sum(2) / den.where(den > 0, 1.)
     assert rel_err(y.double(), ref) < 1e-6
+    assert len(state) == 2 + shifts
+    m = state[2].double() if shifts else torch.zeros(B, H, dtype=torch.float64)
+    assert torch.equal(m, c.amax(-1) if init is None else c.amax(-1).maximum(m0))
+    assert rel_err(state[0].double() * m.exp()[..., None, None], S) < 1e-6
+    assert rel_err(state[1].double() * m.exp()[..., None], z) < 1e-6
 
 
 CORES = [(n, {}) for n in MAPS + ['softmax']] + [(n, kw) for n in MAPS for kw in ({'window': 4}, {'diag_block': 5})]

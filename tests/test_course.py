@@ -1,17 +1,21 @@
-"""docs/COURSE.md, run. Each lesson's `# lesson N` block (and its Python snippet) runs at a tiny size in CI: the
-sizes shrunk, SmolLM2 replaced by a tiny local file, the data the repository's own (data/), and every line the lesson shows as output must be
-printed (its numbers aside). With --course-full, lessons 1-5 run as written on data, and the numbers
-printed must agree with the ones the lesson states: within 2 % (lesson 3: within 0.02), error magnitudes such as
-1.7e-07 below 1e-5; the wall time of each lesson is printed (the teacher's note). Lesson 6 needs SmolLM2: its full
-run is a measurement (docs/RESULTS.md), not a test."""
+"""docs/COURSE.md, run. Each lesson's `# lesson N` block (and its Python snippet, as pasted into
+`python`) runs at a tiny size in CI: the sizes shrunk, SmolLM2 replaced by a tiny local file, the
+data the repository's own (data/), and every line the lesson shows as output must be printed (its
+numbers aside). With --course-full, lessons 1-5 run as written on data, and the numbers printed must
+agree with the ones the lesson states: within 2 % (lesson 3: within 0.02; lesson 1's peak memory:
+within 1 MB), error magnitudes such as 1.7e-07 below 1e-5; the wall time of each lesson is printed
+(the teacher's note). Lesson 6 needs SmolLM2: its full run is a measurement (docs/RESULTS.md), not a
+test."""
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from code import InteractiveConsole
 
 import pytest
 import torch
@@ -30,6 +34,11 @@ SHRINK = [(r'--max_iters \d+', '--max_iters 3 --n_train 64 --seq_len 32 --n_embd
           (r'^G=.*$', 'G=tiny.gguf'), (r'^pip .*$', ''),
           (r'python (\w+\.py)', rf'{sys.executable} {ROOT}/\1')]
 TOLERANCE = {3: dict(abs=0.02)}
+# lesson 1's sentences on memory (times vary by machine, memory does not): table, map, length, MB stated;
+# a state's size is exact, a peak (the resident set's) moves by a fraction of a MB: within 1 MB
+LESSON1_MB = [('decode', 'softmax', 512, 0.87), ('decode', 'softmax', 4096, 7.87),
+              ('decode', 'elu', 4096, 0.03), ('attention', 'elu', 512, 21),
+              ('attention', 'elu', 4096, 146), ('attention', 'softmax', 4096, 12)]
 
 
 def lessons():
@@ -47,13 +56,21 @@ def lessons():
 LESSONS = lessons()
 
 
+def reraise(*args, **kwargs):
+    raise
+
+
 def run_lesson(n, cwd, shrink):
-    """Runs lesson n's snippets and block in cwd; returns what they printed."""
+    """Runs lesson n's snippets, line by line as pasted into `python`, and its block in cwd; returns what they
+    printed."""
     snippets, block, _ = LESSONS[n]
     printed = io.StringIO()
     for code in snippets:
+        console = InteractiveConsole({'__name__': 'lesson'})
+        console.showsyntaxerror = console.showtraceback = reraise   # (the REPL would print them and go on)
         with contextlib.redirect_stdout(printed):
-            exec(compile(code, f'lesson {n} snippet', 'exec'), {'__name__': 'lesson'})
+            for line in code.splitlines() + ['']:
+                console.push(line)
     if shrink:
         block = block.replace('\\\n', ' ')
         for pattern, repl in SHRINK:
@@ -110,3 +127,10 @@ def test_lesson_as_written_prints_the_stated_numbers(n, monkeypatch):
                 assert float(a) < 1e-5, (n, got)
             else:
                 assert float(a) == pytest.approx(float(b), **TOLERANCE.get(n, dict(rel=0.02))), (n, got, want)
+    if n == 1:   # its memory, as bench.json has it, rounded as the tables print it
+        bench = json.load(open(os.path.join(ROOT, 'out', 'course', 'l1', 'bench.json')))
+        for part, attn, length, mb in LESSON1_MB:
+            row = next(r for r in bench[part] if r['attn'] == attn and length in (r.get('T'), r.get('length')))
+            got, tol = (row['state_mb'], dict(rel=0.02)) if part == 'decode' else (row['peak_mb'], dict(abs=1))
+            assert f'{mb} MB' in open(COURSE, encoding='utf-8').read(), mb
+            assert round(got, 2) == pytest.approx(mb, **tol), row
