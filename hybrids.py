@@ -1,17 +1,20 @@
 """
-The attention core of one layer, `Attention`, and the hybrids of softmax and linear attention it runs. In reading order:
+The attention core of one layer, `Attention`, and the hybrids of softmax and linear attention it
+runs. In reading order:
   1. the hybrids, all tokens at once: sliding-window softmax + linear (LoLCATs-w), block-diagonal softmax + linear
      (LLN+Diag)
-  2. the decode states, one small type each: LinearState (S, z, m), KVCache, Pairs (sinks, LoLA's cache, the window
-     buffer), WindowState, DiagState, SplitState (exact heads beside the rest)
+  2. the decode states, one small type each: LinearState (S, z, m), Slots (pairs in fixed slots, written in
+     place), KVCache, WindowState, DiagState, Pairs and LolaState (LoLA's cache), SplitState (exact heads)
   3. LoLA's sparse-cache update (lola_select); its schedule written out token by token in float64, the
      definition the fast forms are tested against, is tests/test_cache.py's lola_reference
   4. Attention: the mode (softmax, linear, window, diag) fixed when it is built, one method per mode and phase
-     (parallel: all tokens from the start; decode: continuing from a state)
+     (parallel: all tokens from the start; step: one token after a state)
 
-A decode state is never changed by a call: each call returns a new one, so two continuations of one state (branches,
-beam search) do not disturb each other. q, k, v: (B, H, T, D) after RoPE, k and v repeated to H heads; states keep
-the H_kv = H / kv_groups key/value heads only (k[:, ::g]).
+Each call returns a new state; a step writes its token into slots in place, copying them first when
+another state wrote there, so two continuations of one state (branches, beam search) do not disturb
+each other. A step's shapes do not depend on the position (a tensor on the device):
+model.DecodeGraph replays it as a CUDA graph. q, k, v: (B, H, T, D) after RoPE, k and v repeated to
+H heads; states keep the H_kv = H / kv_groups key/value heads only (k[:, ::g]).
 """
 
 import copy
@@ -37,16 +40,17 @@ def _in_window(i, j, w, causal):
     return ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
 
 def _window_softmax(q, k, v, visible):
-    """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij =
-    q_i.k_j / sqrt(D), m_i the row's largest visible score (0 for a row that sees no key)."""
+    """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij
+    = q_i.k_j / sqrt(D), m_i the row's largest visible score (0 for a row that sees no key)."""
     s = torch.einsum('...id,...jd->...ij', q, k).masked_fill(~visible, float('-inf')) * q.shape[-1] ** -0.5
     m = s.amax(-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # -inf: a row that sees no key
     a = torch.exp(s - m)
     return a @ v, a.sum(-1), m[..., 0]
 
 def _merge(a, b):
-    """Two unnormalised parts (num, den, m) over disjoint keys as one, each of true mass den exp(m) (_window_softmax's,
-    linear_attention_parts'); m: the larger of the two (a row that sees no key has den 0 and adds nothing)."""
+    """Two unnormalised parts (num, den, m) over disjoint keys as one, each of true mass den exp(m)
+    (_window_softmax's, linear_attention_parts'); m: the larger of the two (a row that sees no key
+    has den 0 and adds nothing)."""
     ma, mb = (x[2].where(x[1] > 0, -math.inf) for x in (a, b))
     m = torch.maximum(ma, mb).nan_to_num(neginf=0.0)
     ra, rb = torch.exp(ma - m), torch.exp(mb - m)
@@ -280,9 +284,9 @@ class Slots:
         return Slots(zeros(k), zeros(v), pos, zeros(phi), zeros(c))
 
     def write(self, n, n_new, slot, position, k, v, phi=None, c=None):
-        """The slots with pairs k, v (B, H_kv, m, D) (and phi, c) written at `slot` ((m,) long, on the
-        device) by a state that has seen n tokens, for one that has seen n_new; position (m,): what
-        pos records there."""
+        """The slots with pairs k, v (B, H_kv, m, D) (and phi, c) written at `slot` ((m,) long, on
+        the device) by a state that has seen n tokens, for one that has seen n_new; position (m,):
+        what pos records there."""
         s = self if self.static or self.owner[0] == n else self.copy()
         s.k.index_copy_(2, slot, k)
         s.v.index_copy_(2, slot, v)
@@ -428,11 +432,12 @@ class SplitState:
 
 # ---- 3. LoLA's sparse cache: the update, and its schedule token by token ----------
 def lola_select(state, cand, n_keep, kv_groups):
-    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate Pairs (the cache and the pending block)
-    scored by their self-recall error against the linear state, SRE(k, v) = ||S^T phi(k) / z^T phi(k) - v||^2 (phi(k):
-    the key's features; 0 recalled where z^T phi(k) = 0), per KV head the mean over its query heads. The n_keep worst
-    recalled stay in the cache; the rest are folded into the state. (The paper's SRE; its public code scores
-    differently.) -> (kept: sorted indices (B, H_kv, n_keep), the new LinearState)."""
+    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate Pairs (the cache and
+    the pending block) scored by their self-recall error against the linear state, SRE(k, v) = ||S^T
+    phi(k) / z^T phi(k) - v||^2 (phi(k): the key's features; 0 recalled where z^T phi(k) = 0), per
+    KV head the mean over its query heads. The n_keep worst recalled stay in the cache; the rest are
+    folded into the state. (The paper's SRE; its public code scores differently.) -> (kept: sorted
+    indices (B, H_kv, n_keep), the new LinearState)."""
     rep = lambda x: x.repeat_interleave(kv_groups, 1)  # noqa: E731, GQA: query head h reads kv head h // g
     num, den = cand.phi @ state.S, (cand.phi @ state.z[..., None])[..., 0]   # (B, H, L, D), (B, H, L)
     sre = (num / den.where(den > 0, 1.0)[..., None] - rep(cand.v)).square().sum(-1)            # (B, H, L)
@@ -444,14 +449,15 @@ def lola_select(state, cand, n_keep, kv_groups):
 
 # ---- 4. the attention core of one layer -------------------------------------------
 class Attention(nn.Module):
-    """The attention of one layer, chosen by an AttnSpec (or its string); owns the feature map and the window
-    factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v repeated to H heads (the maps
-    are per query head); kv_groups = H / H_kv. max_len: cosformer's M unless the spec sets it (the model's
-    block_size). The mode is fixed here: softmax (exact, or with spec window: sliding-window softmax alone, 'window'),
-    linear, window (the sliding-window hybrid, LoLA's cache), diag (LLN+Diag). Exact heads (spec exact=): the query
-    heads of those KV heads run exact softmax with a KV cache of their own, the others the mode, with maps of their
-    own (SplitState); every KV head exact is a softmax layer. share: after a window forward, each row's share of
-    attention on the softmax part (B, H_rest, T), detached.
+    """The attention of one layer, chosen by an AttnSpec (or its string); owns the feature map and
+    the window factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v
+    repeated to H heads (the maps are per query head); kv_groups = H / H_kv. max_len: cosformer's M
+    unless the spec sets it (the model's block_size). The mode is fixed here: softmax (exact, or
+    with spec window: sliding-window softmax alone, 'window'), linear, window (the sliding-window
+    hybrid, LoLA's cache), diag (LLN+Diag). Exact heads (spec exact=): the query heads of those KV
+    heads run exact softmax with a KV cache of their own, the others the mode, with maps of their
+    own (SplitState); every KV head exact is a softmax layer. share: after a window forward, each
+    row's share of attention on the softmax part (B, H_rest, T), detached.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
@@ -486,8 +492,8 @@ class Attention(nn.Module):
             self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
         self.mode = self._mode(all_exact)
         if spec.window and self.fmap is not None:
-            # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197); mix: s = 1/2 until
-            # calibrate() sets it
+            # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197); mix: s = 1/2
+            # until calibrate() sets it
             theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((len(self.rest_q),), theta))
 
@@ -697,9 +703,9 @@ class Attention(nn.Module):
         return y, WindowState(slots, self._fold_leaving(st, slots), st.pos + 1, st.n + 1)
 
     def _slots_softmax(self, q, slots):
-        """One query per head q (B, H, 1, D) against the slots' pairs (B, H_kv, L, D) where their pos
-        >= 0, unnormalised: num (B, H, 1, D), den and m (B, H, 1) as _window_softmax; the g query
-        heads of a KV head are g rows of one product."""
+        """One query per head q (B, H, 1, D) against the slots' pairs (B, H_kv, L, D) where their
+        pos >= 0, unnormalised: num (B, H, 1, D), den and m (B, H, 1) as _window_softmax; the g
+        query heads of a KV head are g rows of one product."""
         B, H, _, D = q.shape
         qg = q.view(B, H // self.kv_groups, self.kv_groups, D) * D ** -0.5   # (B, H_kv, g, D)
         s = (qg @ slots.k.mT).masked_fill(slots.pos < 0, float('-inf'))       # (B, H_kv, g, L)
@@ -783,10 +789,11 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, q, k, key_padding_mask=None):
-        """Initialisation from teacher queries/keys (B, H, T, D) of B sequences (key_padding_mask (B, T): True at real
-        tokens): LLN's statistics of the real tokens; mix's s = the teacher's mean softmax mass in the softmax part
-        (window and sinks) over the rows that also see other keys, exact for an average row (clamped to [1e-4,
-        1 - 1e-4]), one sequence at a time (H x T x T floats)."""
+        """Initialisation from teacher queries/keys (B, H, T, D) of B sequences (key_padding_mask
+        (B, T): True at real tokens): LLN's statistics of the real tokens; mix's s = the teacher's
+        mean softmax mass in the softmax part (window and sinks) over the rows that also see other
+        keys, exact for an average row (clamped to [1e-4, 1 - 1e-4]), one sequence at a time (H x T
+        x T floats)."""
         q, k = q[:, self.rest_q], k[:, self.rest_q]   # the heads with a map (exact heads need nothing)
         B, H, T, _ = q.shape
         real = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
