@@ -330,17 +330,19 @@ def teacher_qk(model, batches, layers, rt):
 @torch.no_grad()
 def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
     """Each KV head's retrieval score on the teacher, (L, H_kv) float64: passkey prompts of about `length` tokens
-    (train.passkey_prompts, depth 50 %; seed 1, not the test prompts' 0) with the answer teacher-forced; the attention
+    (train.passkey_prompts, depth 50 %, the probe's own template and seed 1, not the test prompts') with the answer
+    teacher-forced; the attention
     mass the head's query heads put on the key's tokens in the prompt (both mentions), averaged over the rows that
     predict the answer's tokens, the query heads and the prompts. A soft form of Wu et al. 2024's retrieval score
     (how often the head's largest weight is on the token being copied): it needs no correct greedy answer."""
     cfg = model.config
     score = torch.zeros(cfg.n_layer, cfg.n_kv_head, dtype=torch.float64)
-    prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,), samples=samples, seed=seed)
+    prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,), samples=samples, seed=seed,
+                                    template='probe')
     for p in prompts:
         text, n = p['input'] + ' ' + p['target'], len(tok.encode(p['input']))
         ids = tok.encode(text)[:-1]   # the rows n - 1 .. end predict the answer's tokens
-        keys = sorted({t for a, b in p['keys'] for t in range(len(tok.encode(text[:a])), len(tok.encode(text[:b])))})
+        keys = sorted({t for a, b in p['keys'] for t in range(*train.token_span(tok, text, a, b))})
         with model.capture_qkv(teacher=True) as rec:
             model(torch.tensor([ids], device=device))
         for l, (q, k, _, _) in rec.items():

@@ -325,31 +325,54 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
 
 # ---- passkey retrieval prompts (eval.py's task, convert.py's retrieval probe) ----
 
-PASSKEY_FILLER = 'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. '
+PASSKEY_TEMPLATES = {   # name: (intro, filler, needle, question)
+    # the evaluation's: Mohtashami & Jaggi 2023's prompt
+    'eval': ('There is important info hidden inside a lot of irrelevant text. Find it and memorize it.',
+             'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ',
+             'The pass key is {key}. Remember it. {key} is the pass key.',
+             'What is the pass key? The pass key is'),
+    # convert.py's retrieval probe ranks heads on prompts of its own, so that no head is picked on the test's words
+    'probe': ('Below is a long note. One line in it holds a number worth keeping.',
+              'Rivers run to the sea. Birds sing at dawn. Bread is baked in ovens. Time moves on. ',
+              'The secret number is {key}. Keep it in mind. {key} is the secret number.',
+              'What was the secret number? The secret number is')}
 
-def passkey_prompts(tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
+def passkey_prompts(tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0, template='eval'):
     """Passkey retrieval prompts (Mohtashami & Jaggi 2023), `samples` per length and depth: as their prompt, lines of
     the task, the filler before (none at depth 0), the key sentence, the filler after and the question; about
     `length` tokens of `tok`, the key at `depth` % of the filler. Ours: at depth 100 % one filler sentence (about 25
     tokens) still separates the key from the question (with none, SmolLM2 answered 'a key that is used to ...' in 5
-    of 18 prompts at 512-2K tokens). Rows: input, target (the key), length, depth, tokens, keys (the key's two
-    character spans in input)."""
+    of 18 prompts at 512-2K tokens). template: PASSKEY_TEMPLATES' 'eval' or 'probe'. Rows: input, target (the
+    key), length, depth, tokens, keys (the key's two character spans in input)."""
     rng, rows = random.Random(seed), []
-    intro = 'There is important info hidden inside a lot of irrelevant text. Find it and memorize it.'
-    question = 'What is the pass key? The pass key is'
-    per_filler = len(tok.encode(PASSKEY_FILLER))
+    intro, filler, needle_text, question = PASSKEY_TEMPLATES[template]
+    per_filler = len(tok.encode(filler))
     for length, depth, i in itertools.product(lengths, depths, range(samples)):
         key = rng.randint(10000, 99999)
-        needle = f'The pass key is {key}. Remember it. {key} is the pass key.'
+        needle = needle_text.format(key=key)
         n = max((length - len(tok.encode('\n'.join([intro, '', needle, '', question])))) // per_filler, 0)
         before = round(max(n - 1, 0) * depth / 100)   # depth 100 %: one filler sentence still follows the key
-        parts = [intro, (PASSKEY_FILLER * before).strip(), needle, (PASSKEY_FILLER * (n - before)).strip(), question]
+        parts = [intro, (filler * before).strip(), needle, (filler * (n - before)).strip(), question]
         text = '\n'.join(p for p in parts if p)
         at = text.index(needle)
         keys = [(at + j, at + j + 5) for j in (needle.index(str(key)), needle.rindex(str(key)))]
         rows.append(dict(input=text, target=str(key), length=length, depth=depth, tokens=len(tok.encode(text)),
                          keys=keys))
     return rows
+
+def token_span(tok, text, a, b):
+    """[i, j): the tokens of tok.encode(text) that hold characters a..b-1. Those before the span are the ones that
+    text[:a] alone encodes to and the whole text shares: a tokenizer may join the space before the span to the
+    span's first token (GPT-2's ' 12345'), and text[:a] alone then ends in a token of its own, so counting its
+    tokens would start one late. Likewise at b, where a token may straddle the end."""
+    ids = tok.encode(text)
+
+    def shared(prefix):   # (leading tokens of the whole text the prefix also encodes to, the prefix's tokens)
+        p = tok.encode(prefix)
+        return next((i for i, (x, y) in enumerate(zip(p, ids)) if x != y), min(len(p), len(ids))), len(p)
+    i, _ = shared(text[:a])
+    j, n_b = shared(text[:b])
+    return i, j + (j < n_b)
 
 # ---- GLUE: files, metrics, the classifier ------------------------------------
 

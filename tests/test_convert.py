@@ -13,6 +13,7 @@ import transformers  # a test dependency: missing, it fails the run (never a sil
 import attention as A
 import hybrids as Hy
 import convert as C
+import tokenizer
 import model as M
 import train
 
@@ -420,7 +421,7 @@ def test_retrieval_scores_against_the_weights_by_hand(ckpts):
     tok = train.get_tokenizer('', model, verbose=False)
     got = C.retrieval_scores(model, tok, 'cpu', length=120, samples=2)
     want = torch.zeros_like(got)
-    for p in train.passkey_prompts(tok, [120], depths=(50,), samples=2, seed=1):
+    for p in train.passkey_prompts(tok, [120], depths=(50,), samples=2, seed=1, template='probe'):
         text, n = p['input'] + ' ' + p['target'], len(tok.encode(p['input']))
         ids = tok.encode(text)[:-1]
         keys = [t for a, b in p['keys'] for t in range(len(tok.encode(text[:a])), len(tok.encode(text[:b])))]
@@ -435,6 +436,35 @@ def test_retrieval_scores_against_the_weights_by_hand(ckpts):
     assert C.exact_heads(got, 3) == {l: sorted(h) for l, h in _top(got, 3).items()}
     rand = C.exact_heads(got, 3, 'random', seed=5)
     assert sum(map(len, rand.values())) == 3 and rand == C.exact_heads(got, 3, 'random', seed=5)
+
+
+def test_probe_finds_the_keys_tokens_with_a_gpt2_style_tokenizer():
+    """Issue 41, 4a: a tokenizer that joins the space before the digits to them (GPT-2's ' 12345'): the key's tokens
+    are ' 1', '2', .. '5'; counting the tokens of the text before the key (which ends in a lone ' ') started one
+    late, at '2' (the probe then scored part of the key); train.token_span finds all of them."""
+    import tiktoken
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks.update({b' ' + bytes([b]): 256 + i for i, b in enumerate(b'0123456789')})   # ' 1' .. ' 9': one token each
+    tok = tokenizer.TiktokenTokenizer(tiktoken.Encoding('spaced', pat_str=tokenizer.PRE_TOKENIZERS['gpt2'],
+                                                        mergeable_ranks=ranks,
+                                                        special_tokens={'<|endoftext|>': 266}))
+    for p in train.passkey_prompts(tok, [200], depths=(0, 50, 100), samples=2, template='probe'):
+        text = p['input'] + ' ' + p['target']
+        ids = tok.encode(text)
+        for a, b in p['keys'] + [(len(p['input']) + 1, len(text))]:   # both mentions and the answer
+            i, j = train.token_span(tok, text, a, b)
+            assert tok.decode(ids[i:j]) == ' ' + text[a:b]   # every digit, and the space joined to the first
+            assert len(tok.encode(text[:a])) == i + 1        # the old count: one late
+
+
+def test_probe_ranks_heads_on_a_template_of_its_own():
+    """Issue 41, 4b: the retrieval probe's prompts share no sentence with the evaluation's (heads were chosen on the
+    test's own template, with other keys)."""
+    tok = tokenizer.ByteTokenizer()
+    probe = train.passkey_prompts(tok, [300], depths=(50,), samples=1, seed=1, template='probe')[0]['input']
+    test = train.passkey_prompts(tok, [300], depths=(50,), samples=1, seed=0)[0]['input']
+    sentences = lambda text: {s.strip() for line in text.splitlines() for s in line.split('. ') if s.strip()}  # noqa
+    assert not sentences(probe) & sentences(test)
 
 
 def _top(scores, n):
