@@ -160,20 +160,20 @@ def _divide(num, den):
     return num / den.where(den > 0, 1.0)[..., None]
 
 # ---- 2. the decode states -------------------------------------------------------
-def _tensors(state):
-    """The tensors a state holds, nested states included."""
-    for f in fields(state):
-        x = getattr(state, f.name)
-        if torch.is_tensor(x):
-            yield x
-        elif hasattr(x, '__dataclass_fields__'):
-            yield from _tensors(x)
+def state_tensors(state):
+    """The tensors of a decode state (or a list of them), in order, nested states included."""
+    if isinstance(state, (list, tuple)):
+        for s in state:
+            yield from state_tensors(s)
+    elif torch.is_tensor(state):
+        yield state
+    elif hasattr(state, '__dataclass_fields__'):
+        for f in fields(state):
+            yield from state_tensors(getattr(state, f.name))
 
 def state_nbytes(state):
     """Bytes held by a decode state (or a list of them, one per layer), all KV capacity included."""
-    if isinstance(state, (list, tuple)):
-        return sum(state_nbytes(s) for s in state)
-    return 0 if state is None else sum(t.numel() * t.element_size() for t in _tensors(state))
+    return sum(t.numel() * t.element_size() for t in state_tensors(state))
 
 def static_state(state, capacity):
     """The decode state with fixed shapes, for a CUDA graph (model.DecodeGraph): KV caches static
@@ -197,26 +197,6 @@ def copy_state_(dst, src):
     for a, b in zip(state_tensors(dst), state_tensors(src)):
         if a is not b:
             a.copy_(b)
-
-def state_tensors(state):
-    """The tensors of a decode state or a list of them, in order, nested states included."""
-    if isinstance(state, (list, tuple)):
-        for s in state:
-            yield from state_tensors(s)
-    elif state is not None:
-        yield from _tensors(state)
-
-def state_to(state, device):
-    """A decode state (or a list of them) with every tensor moved to `device`."""
-    if isinstance(state, (list, tuple)):
-        return [state_to(s, device) for s in state]
-    if torch.is_tensor(state):
-        return state.to(device)
-    if not hasattr(state, '__dataclass_fields__'):
-        return state
-    return replace(state, **{f.name: state_to(getattr(state, f.name), device) for f in fields(state)
-                             if torch.is_tensor(getattr(state, f.name)) or
-                             hasattr(getattr(state, f.name), '__dataclass_fields__')})
 
 @dataclass(frozen=True)
 class LinearState:
@@ -316,11 +296,10 @@ class KVCache:
     static: bool = False
 
     @staticmethod
-    def start(k, v, capacity=None):
-        """A cache holding k, v (B, H_kv, T, D), room for `capacity` tokens (default T)."""
+    def start(k, v):
+        """A cache holding k, v (B, H_kv, T, D), no room to spare."""
         T = k.shape[2]
-        cache = KVCache(k.contiguous(), v.contiguous(), _position(k, T), T, [T])
-        return cache if capacity is None else cache.reserve(capacity)
+        return KVCache(k.contiguous(), v.contiguous(), _position(k, T), T, [T])
 
     def reserve(self, capacity, static=False):
         """The cache in buffers of at least `capacity` tokens (the first n copied)."""

@@ -1,6 +1,7 @@
 """Tests for model.py: HF parity for GPT-2 / Llama / BERT, loading errors, generation (KV cache and
 recurrent state), checkpoints. Everything is tiny (n_embd 32, 2 layers, vocab 100) and runs on CPU."""
 import contextlib
+import dataclasses
 import json
 import os
 
@@ -672,6 +673,17 @@ def test_static_step_replays_like_eager(spec):
         tok_buf.copy_(tok)
 
 
+def _to_meta(state):
+    """A decode state (or a list of them) with every tensor on the meta device."""
+    if isinstance(state, list):
+        return [_to_meta(s) for s in state]
+    if torch.is_tensor(state):
+        return state.to('meta')
+    if hasattr(state, '__dataclass_fields__'):
+        return dataclasses.replace(state, **{f.name: _to_meta(getattr(state, f.name)) for f in dataclasses.fields(state)})
+    return state
+
+
 @pytest.mark.parametrize('spec', STEP_SPECS)
 def test_step_makes_no_host_copy_and_reads_no_value(spec, monkeypatch):
     """The step on the meta device, where tensors have shapes and no values: a tensor made on the host and mixed in
@@ -681,7 +693,7 @@ def test_step_makes_no_host_copy_and_reads_no_value(spec, monkeypatch):
     _, states = model.prefill(torch.randint(0, V, (2, 7)))
     meta = model.to('meta')
     meta._inv_freq = {}
-    states = Hy.state_to(states, 'meta')
+    states = _to_meta(states)
     tok, pos = torch.zeros(2, dtype=torch.long, device='meta'), torch.zeros(1, dtype=torch.long, device='meta')
     for _ in range(2):
         logits, states = meta.decode_step(tok, pos, states)
