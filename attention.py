@@ -499,6 +499,8 @@ class AttnSpec:
     impl: str = 'chunked'     # the linear-attention path: quadratic | chunked | recurrent | triton
     exact: str = ''           # KV heads kept exact softmax (their query heads, a KV cache of their
                               # own), e.g. 0+2
+    decay: int = 0            # > 0: the linear state decays, S_t = lambda S_t-1 + phi(k_t) v_t^T, a
+                              # learned lambda per head starting at a half-life of this many tokens
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -528,6 +530,8 @@ class AttnSpec:
                          (self.cache < 0 or (self.cache and (not self.window or self.name == 'softmax')),
                           "cache (>= 0) belongs to a window with a linear part (its state scores the pairs)"),
                          (self.cache_block < 1, "cache_block must be >= 1"),
+                         (self.decay < 0 or (self.decay and self.name == 'softmax'),
+                          "decay (>= 0) is the linear state's: a feature map's"),
                          (self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact),
                           "exact takes KV head indices joined by +, e.g. exact=0+2"),
                          (self.impl == 'triton' and self.window, "the window hybrid has no triton path"),

@@ -206,6 +206,7 @@ class LinearState:
     z: torch.Tensor   # (B, H, F)
     m: torch.Tensor   # (B, H): the largest shift c folded in (NO_KEY: none yet)
     n: int            # tokens folded in (linear and diag modes: every token so far)
+    pos: torch.Tensor | None = None   # (1,) long on the device, linear mode: tokens seen
 
     @staticmethod
     def empty(B, H, F, D, like):
@@ -224,15 +225,16 @@ class LinearState:
         """The state with one key per row: phi (B, H, 1, F) its shifted features, v (B, H, 1, D),
         c (B, H, 1) its shift (None: 0, a map that is not exp-based); one outer product:
             S <- S exp(m_old - m) + (phi exp(c - m))^T v,   z likewise,   m = max(m_old, c)."""
+        pos = None if self.pos is None else self.pos + 1
         if c is None:   # every shift 0: m is 0 from the first key on, and S, z only add
             S = torch.addcmul(self.S, phi.mT, v)
-            return LinearState(S, self.z + phi[:, :, 0], self.m.clamp_min(0.0), self.n + 1)
+            return LinearState(S, self.z + phi[:, :, 0], self.m.clamp_min(0.0), self.n + 1, pos)
         c = c[:, :, 0]                                               # (B, H)
         m = torch.maximum(self.m, c)
         r = torch.exp(self.m - m)[..., None]                         # (B, H, 1) old units -> m
         pk = phi * torch.exp(c - m)[..., None, None]                 # (B, H, 1, F)
         S = torch.addcmul(self.S * r[..., None], pk.mT, v)
-        return LinearState(S, torch.addcmul(pk[:, :, 0], self.z, r), m, self.n + 1)
+        return LinearState(S, torch.addcmul(pk[:, :, 0], self.z, r), m, self.n + 1, pos)
 
     def read(self, phi_q):
         """num (B, H, 1, D) = phi_q S and den (B, H, 1) = phi_q . z of one query per row, phi_q
@@ -470,6 +472,9 @@ class Attention(nn.Module):
             options.update(spec.options)  # the spec's own max_len wins
             self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
         self.mode = self._mode(all_exact)
+        if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
+            rate = math.log(math.log(2) / spec.decay)
+            self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),), rate))
         if spec.window and self.fmap is not None:
             # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197); mix: s = 1/2
             # until calibrate() sets it
@@ -560,16 +565,27 @@ class Attention(nn.Module):
         eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
         return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
-    def _features(self, q, k, offset, key_padding_mask=None):
-        """fmap.features with padding keys removed (phi_k 0, c_k NO_KEY); None x 4 without a linear
-        part."""
+    def _features(self, q, k, offset, key_padding_mask=None, pos=None):
+        """fmap.features with padding keys removed (phi_k 0, c_k NO_KEY) and spec decay as shifts:
+        lambda^(t-s) = exp(g s) / exp(g t), key s by +g s, query t by -g t (in linear attention alone
+        the query's cancels; a window hybrid weighs the two parts by it); positions from pos (a device
+        tensor, in steps) or offset. None x 4 without a linear part."""
         if self.fmap is None:
             return None, None, None, None
         phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset)
         if key_padding_mask is not None:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
+        if self.spec.decay:
+            t = torch.arange(q.shape[2], device=q.device) + (offset if pos is None else pos)
+            gt = torch.exp(self.decay_rate)[:, None] * t                      # (H, T)
+            c_q, c_k = c_q - gt, c_k + gt
         return phi_q, phi_k, c_q, c_k
+
+    @property
+    def shifted(self):
+        """Whether the keys' shifts can be other than 0: exp-based maps, or a decay."""
+        return self.fmap is not None and (self.fmap.log_domain or bool(self.spec.decay))
 
     # -- softmax: SDPA; its decode state a KV cache
     def _softmax_parallel(self, q, k, v, key_padding_mask, return_state):
@@ -590,15 +606,18 @@ class Attention(nn.Module):
 
     # -- linear: one path for both phases, from a state (S, z, m) or from zeros
     def _linear(self, q, k, v, state, key_padding_mask=None):
-        n = 0 if state is None else state.n
-        phi_q, phi_k, _, c_k = self._features(q, k, n, key_padding_mask)
-        if state is not None and q.shape[2] == 1:   # one token: one outer product, one read
-            linear = state.add(phi_k, v, c_k if self.fmap.log_domain else None)
+        n, T = (0 if state is None else state.n), q.shape[2]
+        pos = None if state is None else state.pos
+        phi_q, phi_k, _, c_k = self._features(q, k, n, key_padding_mask, pos)
+        if state is not None and T == 1:   # one token: one outer product, one read
+            linear = state.add(phi_k, v, c_k if self.shifted else None)
             return _divide(*linear.read(phi_q)), linear
         init = None if state is None else (state.S, state.z, state.m)
         y, (S, z, m) = linear_attention(phi_q, phi_k, v, self.causal, self.spec.impl, 0.0,
                                         self.chunk_size, init, True, c_k)
-        return y, LinearState(S, z, m, n + q.shape[2]) if self.causal else None
+        if not self.causal:
+            return y, None
+        return y, LinearState(S, z, m, n + T, _position(q, n + T) if pos is None else pos + T)
 
     # -- diag (LLN+Diag): linear attention plus softmax within blocks, averaged
     def _diag_parallel(self, q, k, v, key_padding_mask, return_state):
@@ -616,8 +635,8 @@ class Attention(nn.Module):
     def _diag_step(self, q, k, v, st):
         """One token: the linear state with it, then read; softmax over its block so far."""
         b, g = self.spec.diag_block, self.kv_groups
-        phi_q, phi_k, _, c_k = self._features(q, k, st.n)
-        linear = st.linear.add(phi_k, v, c_k if self.fmap.log_domain else None)
+        phi_q, phi_k, _, c_k = self._features(q, k, st.n, pos=st.pos)
+        linear = st.linear.add(phi_k, v, c_k if self.shifted else None)
         y_linear = _divide(*linear.read(phi_q))                            # (B, H, 1, D)
         slot = st.pos % b
         slots = st.slots.write(st.n, st.n + 1, slot, st.pos, k[:, ::g], v[:, ::g])
@@ -642,7 +661,7 @@ class Attention(nn.Module):
         (B, H, T, D), g = k.shape, self.kv_groups
         W, N = self.window, min(self.spec.sinks, T)
         k1, v1 = k[:, ::g], v[:, ::g]                                      # (B, H_kv, T, D)
-        c_kept = c_k if phi_k is not None and self.fmap.log_domain else None   # shifts, if any
+        c_kept = c_k if self.shifted else None   # shifts, if any
         slots = Slots.empty(k1, v1, self.spec.sinks + W, phi_k, c_kept)
         slots = replace(slots, sinks=self.spec.sinks)
         sinks = torch.arange(N, device=k.device)
@@ -665,8 +684,8 @@ class Attention(nn.Module):
         fewer than `sinks`), the query attends to the slots (softmax) and to the folded pairs
         (linear), then the token that leaves the window for the next query is folded."""
         W, N, g = self.window, self.spec.sinks, self.kv_groups
-        phi_q, phi_k, c_q, c_k = self._features(q, k, st.n)
-        features = () if phi_k is None else (phi_k, c_k if self.fmap.log_domain else None)
+        phi_q, phi_k, c_q, c_k = self._features(q, k, st.n, pos=st.pos)
+        features = () if phi_k is None else (phi_k, c_k if self.shifted else None)
         k1, v1 = (k, v) if g == 1 else (k[:, ::g], v[:, ::g])            # (B, H_kv, 1, D)
         ring = st.pos % W + N if N else st.pos % W                         # (1,) its ring slot
         marker = st.pos.where(st.pos >= N, -1) if st.n < N else st.pos    # a sink: attended as one

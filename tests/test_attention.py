@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import math
 
@@ -917,3 +918,55 @@ def test_exact_heads(spec):
     every = Hy.Attention(dataclasses.replace(A.AttnSpec.parse(spec), exact='0+1+2'), D, Hq, kv_groups=g)
     assert every.mode == 'softmax' and every.fmap is None and not list(every.parameters())   # the layer is softmax
     assert rel_err(every(q, k, v), A.softmax_attention(q.double(), k.double(), v.double())) < 1e-6
+
+
+def decayed_recurrence(core, q, k, v):
+    """Spec decay, written out in float64: S_t = lambda S_t-1 + phi(k_t) v_t^T, z_t = lambda z_t-1 + phi(k_t),
+    y_t = phi(q_t) S_t / phi(q_t) z_t, lambda = exp(-exp(decay_rate)) per head, phi the map's exact features."""
+    fm = copy.deepcopy(core.fmap).double()
+    pq, pk = fm.phi(q.double(), 'q', 0), fm.phi(k.double(), 'k', 0)
+    lam = torch.exp(-torch.exp(core.decay_rate.detach().double()))[:, None, None]   # (H, 1, 1)
+    S, z = pq.new_zeros(*pq.shape[:2], pq.shape[-1], v.shape[-1]), pq.new_zeros(*pq.shape[:2], pq.shape[-1])
+    ys = []
+    for t in range(q.shape[2]):
+        S = lam * S + pk[:, :, t, :, None] * v.double()[:, :, t, None, :]
+        z = lam[..., 0] * z + pk[:, :, t]
+        ys.append((pq[:, :, t, None] @ S)[:, :, 0] / (pq[:, :, t] * z).sum(-1, keepdim=True))
+    return torch.stack(ys, 2)
+
+
+@pytest.mark.parametrize('name', ['elu', 'hedgehog', 'exp'])
+@pytest.mark.parametrize('impl', PATHS)
+def test_decay_is_the_decayed_recurrence(name, impl):
+    """Issue 41: spec decay=N decays the linear state, lambda = exp(-g) per head (g = ln 2 / N at init, trained);
+    every path equals the recurrence in float64, and decoding from a prefill equals the parallel form."""
+    q, k, v = qkv(T=37)
+    core = core_of(name, impl=impl, decay=8, chunk_size=8)
+    with torch.no_grad():
+        core.decay_rate.copy_(torch.tensor([0.05, 0.3, 1.5]).log())   # half-lives of about 14, 2.3, 0.5 tokens
+    y = core(q, k, v)
+    assert rel_err(y.double(), decayed_recurrence(core, q, k, v)) < 1e-5
+    _, st = core(q[:, :, :20], k[:, :, :20], v[:, :, :20], return_state=True)
+    outs = []
+    for t in range(20, 37):
+        yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        outs.append(yt)
+    assert rel_err(torch.cat(outs, 2), y[:, :, 20:]) < 1e-5
+
+
+@pytest.mark.parametrize('spec', ['hedgehog:window=4:decay=8', 'hedgehog:window=4:decay=8:combine=mix',
+                                  'exp:window=3:sinks=1:decay=4', 'lln:diag_block=5:decay=8'])
+def test_decay_in_the_hybrids_decodes_as_it_runs_in_parallel(spec):
+    """Issue 41: the hybrids with a decaying linear part: token-by-token decoding from a prefill equals the parallel
+    form (the decay as shifts of keys by +g s and queries by -g t, positions on the device in steps)."""
+    q, k, v = qkv(T=29)
+    core = Hy.Attention(spec, D, H).eval()
+    with torch.no_grad():
+        core.decay_rate.copy_(torch.tensor([0.05, 0.3, 1.5]).log())
+    y = core(q, k, v)
+    _, st = core(q[:, :, :11], k[:, :, :11], v[:, :, :11], return_state=True)
+    outs = []
+    for t in range(11, 29):
+        yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
+        outs.append(yt)
+    assert rel_err(torch.cat(outs, 2), y[:, :, 11:]) < 1e-5

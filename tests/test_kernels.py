@@ -412,3 +412,22 @@ def test_supported_sizes_and_large_F_uses_pytorch():
     assert torch.allclose(y, A.linear_attention(pq, pk, v, impl='quadratic'), atol=1e-6)
     with pytest.raises(ValueError, match='F=273'):
         A.linear_attention(pq, pk, v, impl='triton')
+
+
+@needs_kernel
+@pytest.mark.parametrize('name', ['elu', 'hedgehog'])
+def test_decay_through_the_kernel(name):
+    """Issue 41: spec decay as key shifts +g s through the kernel (impl='triton') equals the decayed recurrence
+    S_t = lambda S_t-1 + phi(k_t) v_t^T written out in float64, forward and from a state."""
+    from test_attention import decayed_recurrence
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 40, 16, generator=g).to(DEV) for _ in range(3))
+    core = Hy.Attention(f'{name}:decay=8:impl=triton', 16, 3).to(DEV)
+    with torch.no_grad():
+        core.decay_rate.copy_(torch.tensor([0.05, 0.3, 1.5]).log())
+    want = decayed_recurrence(core.cpu(), q.cpu(), k.cpu(), v.cpu())
+    core.to(DEV)
+    assert rel(core(q, k, v).cpu(), want) < 1e-5
+    _, st = core(q[:, :, :17], k[:, :, :17], v[:, :, :17], return_state=True)
+    y, _ = core(q[:, :, 17:], k[:, :, 17:], v[:, :, 17:], state=st, return_state=True)
+    assert rel(y.cpu(), want[:, :, 17:]) < 1e-5

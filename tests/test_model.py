@@ -646,7 +646,8 @@ def test_attn_override_on_a_partial_conversion_keeps_its_softmax_layers(tmp_path
 # ----------------------------------------------------------------------------- the one-token step (issue 42)
 
 STEP_SPECS = ['softmax', 'hedgehog', 'performer', 'lolcats:window=4', 'lolcats:window=4:sinks=2',
-              'lolcats:window=4:exact=0', 'exp:window=3:combine=mix', 'lln:diag_block=3', 'softmax:window=4:sinks=1']
+              'lolcats:window=4:exact=0', 'exp:window=3:combine=mix', 'lln:diag_block=3', 'softmax:window=4:sinks=1',
+              'hedgehog:decay=4', 'lolcats:window=4:decay=4', 'lln:diag_block=3:decay=4']
 
 
 @pytest.mark.parametrize('spec', STEP_SPECS)
