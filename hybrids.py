@@ -269,7 +269,7 @@ class Slots:
         """The slots with pairs k, v (B, H_kv, m, D) (and phi, c) written at `slot` ((m,) long, on
         the device) by a state that has seen n tokens, for one that has seen n_new; position (m,):
         what pos records there."""
-        s = self if self.static or self.owner[0] == n else self.copy()
+        s = self if self.static or self.owner[0] == n else self.copy()   # (static: no Python state)
         s.k.index_copy_(2, slot, k)
         s.v.index_copy_(2, slot, v)
         s.pos.index_copy_(0, slot, position)
@@ -277,7 +277,8 @@ class Slots:
             s.phi.index_copy_(2, slot, phi)
         if c is not None:
             s.c.index_copy_(2, slot, c)
-        s.owner[0] = n_new
+        if not self.static:
+            s.owner[0] = n_new
         return s
 
     def copy(self):
@@ -321,14 +322,15 @@ class KVCache:
             if self.static:
                 raise RuntimeError(f"the static KV cache of {capacity} tokens is full")
             cache = self.reserve(max(2 * capacity, n + T))
-        elif self.fill[0] != n and not self.static:   # another state wrote past n: copy first
+        elif not self.static and self.fill[0] != n:   # another state wrote past n: copy first
             cache = KVCache(self.k.clone(), self.v.clone(), self.pos, n, [n])
         if T == 1:   # at pos, on the device
             cache.k.index_copy_(2, cache.pos, k)
             cache.v.index_copy_(2, cache.pos, v)
         else:
             cache.k[:, :, n:n + T], cache.v[:, :, n:n + T] = k, v
-        cache.fill[0] = n + T
+        if not self.static:
+            cache.fill[0] = n + T
         return KVCache(cache.k, cache.v, cache.pos + T, n + T, cache.fill, self.static)
 
     def keys(self):

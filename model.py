@@ -485,25 +485,27 @@ class DecodeGraph:
     static, with room for `capacity` tokens; hybrids.static_state), the token and the position in
     fixed tensors; a replay launches the step's kernels at once, with no Python between them.
     Eager decoding launches them one by one from Python, which at batch 1 sets the time per token.
+    compile: the step first fused by torch.compile (inductor: far fewer kernels than aten ops).
         step = DecodeGraph(model, tok, pos, states, capacity)   # after a prefill; pos: tok's position
         logits = step(tok)                                      # the next token's logits; pos moves on"""
 
-    def __init__(self, model, tok, pos, states, capacity):
+    def __init__(self, model, tok, pos, states, capacity, compile=False):
         if tok.device.type != 'cuda':
             raise UsageError(f"CUDA graphs need the model on a CUDA device, not {tok.device.type}")
         if any(core.spec.name == 'cosformer' for core in model.attention_cores()):
             raise UsageError("cosformer's features depend on the position on the host: no CUDA graph")
         self.states = [LayerState(static_state(s.attn, capacity), s.conv) for s in states]
         self.tok, self.pos = tok.clone(), pos.clone()
+        step = torch.compile(model.decode_step, dynamic=False) if compile else model.decode_step
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # warm-up off the graph: lazy initialisation, kernel compilation
             for _ in range(2):
-                model.decode_step(self.tok, self.pos, self.states)
+                step(self.tok, self.pos, self.states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits, new_states = model.decode_step(self.tok, self.pos, self.states)
+            self.logits, new_states = step(self.tok, self.pos, self.states)
             copy_state_(self.states, new_states)   # what the step made anew, back into the fixed buffers
             self.pos.add_(1)
 
