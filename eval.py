@@ -878,6 +878,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
         train.check_ranges(self)
         train.check_device(self.device)
         self.device = ('cuda' if torch.cuda.is_available() else 'cpu') if self.device == 'auto' else self.device
+        parse_list(self.decode_batch or '1', 'decode_batch')   # checked here
         if self.graph and not self.device.startswith('cuda'):
             raise UsageError(f'--graph replays CUDA graphs: it needs --device cuda, not {self.device}')
         parse_maps(self.maps)   # their specs, checked here
