@@ -50,7 +50,6 @@ def log(*a):
     print(*a, flush=True)
 
 # ---- loading -----------------------------------------------------------------
-
 def load_model(ckpt, device='cpu', attn=''):
     """(model, extra) by model.load (with attention `attn` if given), its error in one line."""
     try:
@@ -91,7 +90,6 @@ def capture_qk(model, idx, teacher=False):
     return [(rec[i][0].float().cpu(), rec[i][1].float().cpu()) for i in sorted(rec)]
 
 # ---- perplexity and GLUE (train.py's perplexity, GLUE data, metrics and classifier) ----
-
 def report_ppl(args):
     model, _, tok = load(args, 'ppl')
     text, source = load_text(args.data)
@@ -167,7 +165,6 @@ def predict_glue(module, enc, examples, num_labels, device='cpu', batch_size=32)
     return preds, labels
 
 # ---- greedy generation: ROUGE of summaries; the model next to its softmax teacher ----
-
 def load_summaries(data, limit=0):
     """[(dialogue, summary)] from a JSONL of {dialogue, summary}, or a `datasets` name (default samsum, test)."""
     if data and os.path.isfile(data):
@@ -264,7 +261,6 @@ def report_generate(args):
             'models': [n for n, _ in runs], 'samples': rows}
 
 # ---- lm-evaluation-harness (0.4.x, optional: imported only by --lm_eval) and the passkey task ----
-
 def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
     """`model` as an lm-eval `LM`: loglikelihood, loglikelihood_rolling (train.perplexity's windows), generate_until
     (greedy). A document or an empty context starts after the end-of-text token (lm-eval's prefix token), so every
@@ -398,7 +394,6 @@ def report_passkey(args):
             'accuracy': acc, 'samples_per_cell': n, 'softmax_share': shares, 'seconds': round(time.time() - t0, 1)}
 
 # ---- attention fidelity ------------------------------------------------------
-
 def parse_list(s, what, kind=int):
     """'1,2,4' -> [1, 2, 4]: positive numbers of `kind`, else a one-line error."""
     try:
@@ -587,7 +582,6 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     return files + [_save_figure(fig, out_dir, 'fidelity_scatter.png')]
 
 # ---- LLN Fig. 2: does moment matching make LLN concentrate like softmax? -----
-
 # (label, attention name, map options): the curves of LLN Fig. 2 plus the LLN temperature choices and baselines
 LLN_FIG2_METHODS = [('softmax', 'softmax', {}), ('lln paper', 'lln', {'match': 'paper'}),
                     ('lln entropy', 'lln', {'match': 'entropy'}), ('lln none', 'lln', {'match': 'none'}),
@@ -648,7 +642,6 @@ def report_lln(args):
             'figures': [_save_figure(fig, args.out_dir, 'lln.png')] if fig else []}
 
 # ---- benchmarks --------------------------------------------------------------
-
 def timed(fn, number=0):
     """Seconds per call of fn() by torch.utils.benchmark.Timer (CUDA synchronised, the process's torch threads): the
     median over blocked_autorange (which warms up), or the mean of `number` calls after 2 warm-up (Timer.timeit)."""
@@ -828,7 +821,6 @@ def report_bench(args):
     return res
 
 # ---- command line ------------------------------------------------------------
-
 @dataclass
 class EvalConfig:   # the flags (train.parse_config); the reports first, one per run
     ppl: bool = False             # perplexity on --data (text file, folder, datasets name)
@@ -899,7 +891,6 @@ def main(argv=None):
         json.dump(res, f, indent=1, default=float)
     log(f'wrote {os.path.join(args.out_dir, args.report + ".json")}')
     return 0
-
 
 if __name__ == '__main__':
     sys.exit(main())

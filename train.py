@@ -55,7 +55,6 @@ GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 =
     'qnli': (('question',), ('sentence',), 2), 'rte': (('sentence1',), ('sentence2',), 2)}
 
 # ---- the command line: a dataclass whose fields are the flags ----------------
-
 def _comments(cls):
     """{field: its comment in cls's source, continued on comment-only lines aligned with it}: the flags' help."""
     helps, last, col = {}, None, -1
@@ -203,7 +202,6 @@ def _subset(cls, cfg):
     return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
 
 # ---- associative recall (Hedgehog App. B.1; zoology's multi-query variant) ----
-
 def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label_repeats=False):
     """n sequences (x, y), LongTensors (n, seq_len). Keys are tokens 0..vocab/2-1, values vocab/2..vocab-1;
     every sequence has its own random key->value map (a permutation). x = k1 v1 k2 v2 ... (keys uniform, with
@@ -236,7 +234,6 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     return x, y
 
 # ---- text: tokenizer, data, perplexity ---------------------------------------
-
 def get_tokenizer(name='', model=None, verbose=True):
     """A run's tokenizer: `name` ('bytes', 'gpt2', a HF folder or .gguf file) if given, else `model`'s own
     (tokenizer.resolve: checked to fit it), else bytes -- from scratch, one command, one model on every machine."""
@@ -324,7 +321,6 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
             'context': context, 'stride': stride}
 
 # ---- passkey retrieval prompts (eval.py's task, convert.py's retrieval probe) ----
-
 PASSKEY_TEMPLATES = {   # name: (intro, filler, needle, question)
     # the evaluation's: Mohtashami & Jaggi 2023's prompt
     'eval': ('There is important info hidden inside a lot of irrelevant text. Find it and memorize it.',
@@ -375,7 +371,6 @@ def token_span(tok, text, a, b):
     return i, j + (j < n_b)
 
 # ---- GLUE: files, metrics, the classifier ------------------------------------
-
 GLUE_LABELS = ('label', 'gold_label', 'is_duplicate', 'score', 'quality')
 NLI_LABELS = {'entailment': 0, 'neutral': 1, 'contradiction': 2, 'not_entailment': 1}
 GLUE_FILES = {'train': ('train',), 'validation': ('dev', 'validation', 'dev_matched')}
@@ -521,7 +516,6 @@ def mean_attention_entropy(model, x, query_positions, batch_size=64):
     return torch.cat(ents).mean().item(), torch.cat(ents_q).mean().item()
 
 # ---- the training loop -------------------------------------------------------
-
 def _fmt_time(s):
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -692,7 +686,6 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
             'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
 
 # ---- the driver: a task's data and model, fit, the final metrics -------------
-
 class Task:
     """A run's data (a DataConfig): 'train' and 'val' splits of examples (text: window offsets into the token ids),
     batches of them as CPU tensors -- (x, y) for AR and text, (idx, mask, token types, labels) for GLUE."""
