@@ -308,7 +308,6 @@ def evaluate(model, module, task, cfg, rt, layers):
                 mse_mean=sum(mse.values()) / max(len(mse), 1))
 
 # ---- the pipeline ------------------------------------------------------------
-@torch.no_grad()
 def teacher_qk(model, batches, layers, rt):
     """{layer: (q, k, mask)}: the teacher's queries and keys (N, H, T, D) on calibration batches, their sequences
     stacked (GLUE's sentences padded to the longest); mask (N, T): True at real tokens."""
