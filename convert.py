@@ -225,7 +225,6 @@ def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
     return '\n'.join(lines)
 
 # ---- stage 1: the attention-transfer loss of one layer, on its teacher's q, k, v ----
-
 def _teacher(core, q, k, v, mask):
     """The teacher's softmax weights (B, H, T, T) and outputs of this layer (padded keys masked)."""
     m = None if mask is None else mask.bool()[:, None, None, :]
@@ -264,7 +263,6 @@ def transfer_loss(core, q, k, v, mask, weights):
     return loss
 
 # ---- data and evaluation -----------------------------------------------------
-
 @torch.no_grad()
 def _teacher_qkv(model, batch, layers, device):
     """{layer: (q, k, v, key mask)} (model.capture_qkv) as the teacher runs on a text (x, y) or a GLUE batch."""
@@ -310,8 +308,6 @@ def evaluate(model, module, task, cfg, rt, layers):
                 mse_mean=sum(mse.values()) / max(len(mse), 1))
 
 # ---- the pipeline ------------------------------------------------------------
-
-@torch.no_grad()
 def teacher_qk(model, batches, layers, rt):
     """{layer: (q, k, mask)}: the teacher's queries and keys (N, H, T, D) on calibration batches, their sequences
     stacked (GLUE's sentences padded to the longest); mask (N, T): True at real tokens."""
@@ -326,7 +322,6 @@ def teacher_qk(model, batches, layers, rt):
     return out
 
 # ---- exact heads (issue 36): the teacher's retrieval heads keep exact softmax ----
-
 @torch.no_grad()
 def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
     """Each KV head's retrieval score on the teacher, (L, H_kv) float64: passkey prompts of about `length` tokens
@@ -503,7 +498,6 @@ def unigram_loss(train_ids, val_ids, vocab_size):
     return float(-(counts / counts.sum()).log()[torch.as_tensor(val_ids).flatten()].mean())
 
 # ---- the table of several conversions, and the command line ------------------
-
 def report(dirs):
     """A markdown table of conversions' summary.json: quality (perplexity, or the GLUE metric) of the teacher
     and after each stage, mean KL to the teacher's attention, recovery (lm: 100 (L_unigram - L) /
@@ -536,7 +530,6 @@ def main(argv=None):
     except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:   # one line; bugs: a traceback
         print(f"convert.py: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-
 
 if __name__ == '__main__':
     main()

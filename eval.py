@@ -46,11 +46,9 @@ SAMSUM_PROMPT = "Summarize this dialog:\n{dialogue}\n---\nSummary:\n"
 DEFAULT_PROMPTS = ('The capital of France is Paris. The capital of Germany is', 'Water boils at a temperature of',
                    'Once upon a time, in a small village,')
 
-def log(*a):
-    print(*a, flush=True)
+log = functools.partial(print, flush=True)
 
 # ---- loading -----------------------------------------------------------------
-
 def load_model(ckpt, device='cpu', attn=''):
     """(model, extra) by model.load (with attention `attn` if given), its error in one line."""
     try:
@@ -91,7 +89,6 @@ def capture_qk(model, idx, teacher=False):
     return [(rec[i][0].float().cpu(), rec[i][1].float().cpu()) for i in sorted(rec)]
 
 # ---- perplexity and GLUE (train.py's perplexity, GLUE data, metrics and classifier) ----
-
 def report_ppl(args):
     model, _, tok = load(args, 'ppl')
     text, source = load_text(args.data)
@@ -167,7 +164,6 @@ def predict_glue(module, enc, examples, num_labels, device='cpu', batch_size=32)
     return preds, labels
 
 # ---- greedy generation: ROUGE of summaries; the model next to its softmax teacher ----
-
 def load_summaries(data, limit=0):
     """[(dialogue, summary)] from a JSONL of {dialogue, summary}, or a `datasets` name (default samsum, test)."""
     if data and os.path.isfile(data):
@@ -185,7 +181,6 @@ def load_summaries(data, limit=0):
                          'pass a JSONL of {"dialogue", "summary"}')
     return list(zip(ds['dialogue'], ds['summary']))[:limit or None], f'{data or "samsum"} (test)'
 
-@torch.no_grad()
 def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     """Greedy summary of a dialogue in the SAMSum prompt, up to EOS (the prompt keeps its end if too long)."""
     room = model.config.block_size - max_new_tokens
@@ -239,7 +234,6 @@ def generate_prompts(args, tok):
         raise UsageError(f'--data has {len(ids)} tokens, fewer than --context {L}')
     return [tok.decode(ids[o:o + L]) for o in range(0, len(ids) - L + 1, max((len(ids) - L) // n, 1))][:n]
 
-@torch.no_grad()
 def report_generate(args):
     """Greedy continuations by the model and, for a convert.py folder, by its softmax base_model (without LoRA)."""
     model, extra, tok = load(args, 'generate')
@@ -264,7 +258,6 @@ def report_generate(args):
             'models': [n for n, _ in runs], 'samples': rows}
 
 # ---- lm-evaluation-harness (0.4.x, optional: imported only by --lm_eval) and the passkey task ----
-
 def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
     """`model` as an lm-eval `LM`: loglikelihood, loglikelihood_rolling (train.perplexity's windows), generate_until
     (greedy). A document or an empty context starts after the end-of-text token (lm-eval's prefix token), so every
@@ -307,35 +300,29 @@ def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
             return out
     return Adapter()
 
-PASSKEY_YAML = """task: passkey_retrieval
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {path}}}}}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{input}}}}"
-doc_to_target: "{{{{target}}}}"
-generation_kwargs: {{until: ["\\n", "."], max_gen_toks: 8, do_sample: false}}
-filter_list:
-  - name: number
-    filter: [{{function: regex, regex_pattern: "(\\\\d+)"}}, {{function: take_first}}]
-metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}]
-"""
+PASSKEY_TASK = {   # the lm-eval task (passkey_task writes it as passkey.yaml, with its data file)
+    'task': 'passkey_retrieval', 'dataset_path': 'json', 'test_split': 'test', 'output_type': 'generate_until',
+    'doc_to_text': '{{input}}', 'doc_to_target': '{{target}}',
+    'generation_kwargs': {'until': ['\n', '.'], 'max_gen_toks': 8, 'do_sample': False},
+    'filter_list': [{'name': 'number', 'filter': [{'function': 'regex', 'regex_pattern': r'(\d+)'},
+                                                  {'function': 'take_first'}]}],
+    'metric_list': [{'metric': 'exact_match', 'aggregation': 'mean', 'higher_is_better': True}]}
 
 def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
     """Passkey retrieval (train.passkey_prompts) as a local lm-eval task in `folder`. Scored: the first number of the
     greedy answer equals the key (exact match)."""
+    import yaml
     rows = train.passkey_prompts(tok, lengths, depths, samples, seed)
     os.makedirs(folder, exist_ok=True)
     path = os.path.abspath(os.path.join(folder, 'passkey.jsonl'))
     with open(path, 'w') as f:
         f.writelines(json.dumps(r) + '\n' for r in rows)
     with open(os.path.join(folder, 'passkey.yaml'), 'w') as f:
-        f.write(PASSKEY_YAML.format(path=json.dumps(path)))
+        yaml.safe_dump({**PASSKEY_TASK, 'dataset_kwargs': {'data_files': {'test': path}}}, f, sort_keys=False)
     return rows
 
 def run_lm_eval(args, model, tok, tasks, include=None, limit=None, log_samples=False):
-    """lm_eval.simple_evaluate on our model, `limit` samples per task (None: all); --context caps loglikelihood's
-    inputs (0: block_size)."""
+    """lm_eval.simple_evaluate on our model, `limit` samples per task (None: all); loglikelihood inputs <= --context."""
     import lm_eval
     from lm_eval.tasks import TaskManager
     if include and not os.path.isdir(include):
@@ -364,9 +351,8 @@ def report_lm_eval(args):
     return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'results': res['results']}
 
 def report_passkey(args):
-    """Passkey retrieval through lm-eval: --sweep lengths (default 512,1024,2048) x depths 0-100 %, --limit
-    samples per cell (default 6); the accuracy table, a length x depth heatmap, and per length where a window hybrid's
-    attention goes (softmax_shares)."""
+    """Passkey retrieval through lm-eval: --sweep lengths (default 512,1024,2048) x depths 0-100 %, --limit samples
+    per cell (default 6); the accuracy table, a length x depth heatmap, and per length the softmax_shares."""
     model, _, tok = load(args, 'passkey')
     lengths, t0 = parse_list(args.sweep or '512,1024,2048', 'sweep'), time.time()
     folder, n = os.path.join(args.out_dir, 'passkey_task'), args.limit or 6
@@ -389,16 +375,14 @@ def report_passkey(args):
     plt = pyplot()
     if plt:
         fig, ax = plt.subplots(figsize=(4.5, 3))
-        im = ax.imshow(acc, vmin=0, vmax=1, cmap='RdYlGn', aspect='auto')
+        fig.colorbar(ax.imshow(acc, vmin=0, vmax=1, cmap='RdYlGn', aspect='auto'))
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)), yticklabels=lengths,
                xlabel='depth of the key (%)', ylabel='tokens', title=f'passkey: {describe_attention(model)}'[:60])
-        fig.colorbar(im)
         _save_figure(fig, args.out_dir, 'passkey.png')
     return {'ckpt': args.ckpt, 'attn': describe_attention(model), 'lengths': lengths, 'depths': depths,
             'accuracy': acc, 'samples_per_cell': n, 'softmax_share': shares, 'seconds': round(time.time() - t0, 1)}
 
 # ---- attention fidelity ------------------------------------------------------
-
 def parse_list(s, what, kind=int):
     """'1,2,4' -> [1, 2, 4]: positive numbers of `kind`, else a one-line error."""
     try:
@@ -497,7 +481,6 @@ def report_fidelity(args):
 def _save_figure(fig, out_dir, name):
     """Lay out, write out_dir/name as PNG, close; returns the path."""
     import matplotlib.pyplot as plt
-    os.makedirs(out_dir, exist_ok=True)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, name), dpi=80)
     plt.close(fig)
@@ -587,7 +570,6 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     return files + [_save_figure(fig, out_dir, 'fidelity_scatter.png')]
 
 # ---- LLN Fig. 2: does moment matching make LLN concentrate like softmax? -----
-
 # (label, attention name, map options): the curves of LLN Fig. 2 plus the LLN temperature choices and baselines
 LLN_FIG2_METHODS = [('softmax', 'softmax', {}), ('lln paper', 'lln', {'match': 'paper'}),
                     ('lln entropy', 'lln', {'match': 'entropy'}), ('lln none', 'lln', {'match': 'none'}),
@@ -648,7 +630,6 @@ def report_lln(args):
             'figures': [_save_figure(fig, args.out_dir, 'lln.png')] if fig else []}
 
 # ---- benchmarks --------------------------------------------------------------
-
 def timed(fn, number=0):
     """Seconds per call of fn() by torch.utils.benchmark.Timer (CUDA synchronised, the process's torch threads): the
     median over blocked_autorange (which warms up), or the mean of `number` calls after 2 warm-up (Timer.timeit)."""
@@ -812,7 +793,6 @@ def report_bench(args):
         else:
             res[part] = bench_forward(part, lengths, specs, args.device)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
-    os.makedirs(args.out_dir, exist_ok=True)
     with open(res['table'], 'w') as f:
         f.write(f'{cfg["device_name"]}, torch {torch.__version__}; memory: {cfg["memory"]}; load average at the '
                 f'start {cfg["loadavg"]}\n\n{md}\n')
@@ -828,7 +808,6 @@ def report_bench(args):
     return res
 
 # ---- command line ------------------------------------------------------------
-
 @dataclass
 class EvalConfig:   # the flags (train.parse_config); the reports first, one per run
     ppl: bool = False             # perplexity on --data (text file, folder, datasets name)
@@ -876,8 +855,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
             raise ValueError(f'choose exactly one report: --{", --".join(REPORTS)} (got {len(chosen)})')
         self.report = chosen[0]
         train.check_ranges(self)
-        train.check_device(self.device)
-        self.device = ('cuda' if torch.cuda.is_available() else 'cpu') if self.device == 'auto' else self.device
+        self.device = train.check_device(self.device)
         parse_list(self.decode_batch or '1', 'decode_batch')   # checked here
         if self.graph and not self.device.startswith('cuda'):
             raise UsageError(f'--graph replays CUDA graphs: it needs --device cuda, not {self.device}')
@@ -900,7 +878,6 @@ def main(argv=None):
         json.dump(res, f, indent=1, default=float)
     log(f'wrote {os.path.join(args.out_dir, args.report + ".json")}')
     return 0
-
 
 if __name__ == '__main__':
     sys.exit(main())

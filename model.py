@@ -266,7 +266,7 @@ class Transformer(nn.Module):
             if pn.endswith(('o_proj.weight', 'c_proj.weight', 'down_proj.weight')):
                 nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
         if cfg.lora:
-            self._add_lora(**cfg.lora)
+            self.add_lora(**cfg.lora)
 
     def get_num_params(self):
         """Number of parameters, position embeddings excluded (as in nanoGPT)."""
@@ -288,20 +288,17 @@ class Transformer(nn.Module):
         cfg.layer_attn = {i: s for i, s in layer_attn.items() if s != cfg.attn}
         return self
 
-    def _add_lora(self, rank, alpha, targets):
-        for name in targets:
-            parent, _, child = name.rpartition('.')
-            setattr(self.get_submodule(parent), child, LoRALinear(self.get_submodule(name), rank, alpha))
-
     def add_lora(self, rank=8, alpha=16.0, targets=('q_proj', 'k_proj', 'v_proj', 'o_proj'), layers=None):
         """LoRA adapters on the Linear modules whose names end with `targets`, in `layers` (default all);
-        recorded in config.lora so that save/load rebuild them. Returns the adapted module names."""
+        recorded in config.lora (full names) so that save/load rebuild them. Returns the adapted module names."""
         layers = range(self.config.n_layer) if layers is None else layers
         names = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)
                  and n.startswith('transformer.h.') and int(n.split('.')[2]) in layers and n.endswith(tuple(targets))]
         if not names:
             raise ValueError(f"LoRA targets {list(targets)} match no Linear module in layers {list(layers)}")
-        self._add_lora(rank, alpha, names)
+        for name in names:
+            parent, _, child = name.rpartition('.')
+            setattr(self.get_submodule(parent), child, LoRALinear(self.get_submodule(name), rank, alpha))
         self.config.lora = dict(rank=rank, alpha=alpha, targets=names)
         return names
 
@@ -326,37 +323,29 @@ class Transformer(nn.Module):
             for b, core in zip(blocks, own):
                 b.attn.core = core
 
-    def _inv_freq_on(self, device):
+    def _rope(self, pos):
+        """RoPE's (cos, sin) (T, hs) at positions pos, a (T,) long tensor on the device."""
+        cfg, device = self.config, pos.device
         if device not in self._inv_freq:
-            cfg = self.config
             self._inv_freq[device] = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-        return self._inv_freq[device]
-
-    def _rope(self, offset, T, device):
-        pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
-        emb = torch.outer(pos, self._inv_freq_on(device)).repeat(1, 2)   # (T, hs)
-        return emb.cos(), emb.sin()
-
-    def _rope_at(self, pos):
-        """RoPE's (cos, sin) (1, hs) at position pos, a (1,) long tensor on the device."""
-        inv_freq = self._inv_freq_on(pos.device)
-        emb = (pos.float()[:, None] * inv_freq).repeat(1, 2)        # (1, hs)
+        emb = (pos.float()[:, None] * self._inv_freq[device]).repeat(1, 2)   # (T, hs)
         return emb.cos(), emb.sin()
 
     def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None, attention_mask=None):
-        """Final hidden states (B, T, C) of tokens at positions offset..offset+T-1, and the new decode states.
-        attention_mask (B, T) (BERT): 1 = real token, 0 = padding."""
+        """Final hidden states (B, T, C) of tokens at positions offset..offset+T-1 (offset: an int, or decode_step's
+        (1,) tensor on the device), and the new decode states. attention_mask (B, T) (BERT): 1 = real, 0 = padding."""
         cfg, tr = self.config, self.transformer
         B, T = idx.size()
+        pos = offset if torch.is_tensor(offset) else torch.arange(offset, offset + T, device=idx.device)   # (T,)
         x = tr.wte(idx)                                             # (B, T, C)
         if not self.rope:
-            if offset + T > cfg.block_size:
+            if not torch.is_tensor(offset) and offset + T > cfg.block_size:
                 raise UsageError(f"{offset + T} positions exceed block_size={cfg.block_size} (learned positions)")
-            x = x + tr.wpe(torch.arange(offset, offset + T, device=idx.device))
+            x = x + tr.wpe(pos)
         if isinstance(self, Bert):
             x = tr.ln_e(x + tr.wtt(torch.zeros_like(idx) if token_type_ids is None else token_type_ids))
         x = tr.drop(x)
-        rope = self._rope(offset, T, idx.device) if self.rope else None
+        rope = self._rope(pos) if self.rope else None
         kpm = None if attention_mask is None else attention_mask.to(idx.device).bool()   # (B, T) True = real
         new_states = []
         for i, block in enumerate(tr.h):
@@ -398,9 +387,7 @@ class GPT(Transformer):
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1))
         return logits, loss   # F.cross_entropy's ignore_index is -100
 
-    def decode_state_nbytes(self, states):
-        """Bytes held by the per-layer decoding states (KV caches or recurrent states)."""
-        return sum(state_nbytes(s) for s in states)
+    decode_state_nbytes = staticmethod(state_nbytes)   # bytes of the per-layer decode states (KV caches, recurrent)
 
     @torch.no_grad()
     def prefill(self, idx, offset=0, states=None):
@@ -408,33 +395,19 @@ class GPT(Transformer):
         x, states = self.hidden_states(idx, offset=offset, states=states, return_state=True)
         return self.lm_head(x[:, -1]), states
 
-    @torch.no_grad()
     def decode_step(self, tok, pos, states):
-        """One token per row tok (B,) at position pos, after `states`: (logits (B, vocab), the new
-        states). pos: an int, or a (1,) long tensor on the model's device (no copy from the host);
-        the step's shapes do not depend on it, so a CUDA graph can replay it (DecodeGraph)."""
-        tr = self.transformer
-        if not torch.is_tensor(pos):
-            pos = torch.full((1,), pos, dtype=torch.long, device=tok.device)
-        x = tr.wte(tok)[:, None]                                    # (B, 1, C)
-        if not self.rope:
-            x = x + tr.wpe(pos)
-        rope = self._rope_at(pos) if self.rope else None
-        x, new_states = tr.drop(x), []
-        for block, state in zip(tr.h, states):
-            x, state = block(x, rope, state, True)
-            new_states.append(state)
-        return self.lm_head(tr.ln_f(x)[:, -1]), new_states
+        """prefill of one token per row, tok (B,), at position pos -> (logits (B, vocab), states). pos: an int, or a
+        (1,) long tensor on the device (no host copy); its shapes do not depend on it, so DecodeGraph can replay it."""
+        return self.prefill(tok[:, None], pos, states)                # tok[:, None] (B, 1)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_token_id=None, use_cache=True,
                  cuda_graph=False):
-        """Append up to max_new_tokens tokens to idx (B, T): temperature 0 is greedy, otherwise sampling from
-        softmax(logits / temperature) over the top_k tokens. A row that produced eos_token_id (an int or a list)
-        keeps producing it; generation stops when every row has. use_cache: prefill, then one token at a time
-        with each layer's state (a KV cache for softmax, constant-size for linear maps and hybrids); otherwise
-        full forward passes (the reference; learned positions crop the context to block_size, as in nanoGPT).
-        cuda_graph: the one-token step replayed as a CUDA graph (DecodeGraph; CUDA only)."""
+        """Append up to max_new_tokens tokens to idx (B, T), each drawn by sample(logits, temperature, top_k). A row
+        that produced eos_token_id (an int or a list) keeps producing it; generation stops when every row has.
+        use_cache: prefill, then one token at a time with each layer's state (a KV cache for softmax, constant-size
+        for linear maps and hybrids); otherwise full forward passes (the reference; learned positions crop the
+        context to block_size, as in nanoGPT). cuda_graph: the step replayed as a CUDA graph (DecodeGraph; CUDA)."""
         cfg, (B, T0) = self.config, idx.size()
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -546,7 +519,6 @@ class Bert(Transformer):
         return logits, F.cross_entropy(logits.float(), labels.long())
 
 def build(config):
-    """A new model for config: a Bert for family bert, else a GPT."""
     return (Bert if config.family == 'bert' else GPT)(config)
 
 # ---- load and save: one loader for every format, one checkpoint format ------
@@ -557,8 +529,7 @@ def load(path, **overrides):
     `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...). Only new
     attention parameters may be absent; when `attn` changes the map of a layer of our checkpoint, its trained
     core is re-initialised (with a message); a change of `impl`, `sinks` or `cache` alone keeps it. model.tokenizer
-    is the checkpoint's own (or None). extra: what save(**extra) stored, and 'base', the model a conversion began
-    from."""
+    is the checkpoint's own (or None). extra: what save(**extra) stored, and 'base' (a conversion's starting model)."""
     names = [f.name for f in fields(GPTConfig)]
     bad = sorted(set(overrides) - set(names))
     if bad:
@@ -566,8 +537,7 @@ def load(path, **overrides):
     return _load(str(path), overrides)
 
 def _file_kind(path):
-    """'ours' (a zip, as torch.save writes) or 'gguf', by a checkpoint file's first bytes; else a UsageError naming the
-    file and what it is not, or that it is cut short."""
+    """'ours' (a zip, as torch.save writes) or 'gguf' by the first bytes; else a UsageError: neither, or cut short."""
     with open(path, 'rb') as f:
         kind = {b'PK\x03\x04': 'ours', b'GGUF': 'gguf'}.get(f.read(4))
     if kind is None:
@@ -578,8 +548,7 @@ def _file_kind(path):
     return kind
 
 def _load(path, overrides, as_base=False):
-    """load(); as_base: the base of a converted model, whose new tensors (new_tensor_names) come from the
-    conversion."""
+    """load(); as_base: the base of a converted model, whose new tensors (new_tensor_names) the conversion holds."""
     ckpt = os.path.join(path, 'ckpt.pt') if os.path.isdir(path) else path
     kind = _file_kind(ckpt) if os.path.isfile(ckpt) else None
     if kind == 'gguf':

@@ -55,7 +55,6 @@ GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 =
     'qnli': (('question',), ('sentence',), 2), 'rte': (('sentence1',), ('sentence2',), 2)}
 
 # ---- the command line: a dataclass whose fields are the flags ----------------
-
 def _comments(cls):
     """{field: its comment in cls's source, continued on comment-only lines aligned with it}: the flags' help."""
     helps, last, col = {}, None, -1
@@ -116,11 +115,12 @@ def check_ranges(cfg):
             raise ValueError(f"--{f.name} must be {want}, got {v}")
 
 def check_device(device):
-    """auto, cpu, cuda or cuda:N, and CUDA there if named (else a ValueError in one line)."""
+    """auto, cpu, cuda or cuda:N, and CUDA there if named (else a one-line ValueError) -> the device, auto resolved."""
     if device not in ('auto', 'cpu', 'cuda') and not (device.startswith('cuda:') and device[5:].isdigit()):
         raise ValueError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N")
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but CUDA is not available (use --device cpu or auto)")
+    return ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
 
 @dataclass
 class TrainConfig:
@@ -155,8 +155,6 @@ class TrainConfig:
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'   # auto: bf16 (or fp16) on CUDA, else fp32
     compare: str = ''             # comma-separated --attn values: one run each (same budget, seeds), one table
-    val_fraction = 0.1            # not a flag: text's held-out tail of a local file or folder
-    min_lr_ratio = 0.1            # not a flag: the cosine decays to lr / 10 at max_iters (nanoGPT)
 
     def __post_init__(self):
         check_ranges(self)
@@ -166,9 +164,6 @@ class TrainConfig:
 
     def data_config(self):
         return _subset(DataConfig, self)
-
-    def schedule(self):
-        return _subset(Schedule, self)
 
 @dataclass
 class DataConfig:
@@ -186,8 +181,7 @@ class DataConfig:
 
 @dataclass
 class Schedule:
-    """What fit reads: the optimizer steps, the learning rate (warmup, then cosine to lr * min_lr_ratio), the
-    evaluations and where the logs go."""
+    """What fit reads: the optimizer steps, the learning rate (get_lr), the evaluations and where the logs go."""
     max_iters: int
     lr: float
     warmup_iters: int = 0
@@ -203,7 +197,6 @@ def _subset(cls, cfg):
     return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
 
 # ---- associative recall (Hedgehog App. B.1; zoology's multi-query variant) ----
-
 def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label_repeats=False):
     """n sequences (x, y), LongTensors (n, seq_len). Keys are tokens 0..vocab/2-1, values vocab/2..vocab-1;
     every sequence has its own random key->value map (a permutation). x = k1 v1 k2 v2 ... (keys uniform, with
@@ -236,7 +229,6 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     return x, y
 
 # ---- text: tokenizer, data, perplexity ---------------------------------------
-
 def get_tokenizer(name='', model=None, verbose=True):
     """A run's tokenizer: `name` ('bytes', 'gpt2', a HF folder or .gguf file) if given, else `model`'s own
     (tokenizer.resolve: checked to fit it), else bytes -- from scratch, one command, one model on every machine."""
@@ -324,7 +316,6 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
             'context': context, 'stride': stride}
 
 # ---- passkey retrieval prompts (eval.py's task, convert.py's retrieval probe) ----
-
 PASSKEY_TEMPLATES = {   # name: (intro, filler, needle, question)
     # the evaluation's: Mohtashami & Jaggi 2023's prompt
     'eval': ('There is important info hidden inside a lot of irrelevant text. Find it and memorize it.',
@@ -375,7 +366,6 @@ def token_span(tok, text, a, b):
     return i, j + (j < n_b)
 
 # ---- GLUE: files, metrics, the classifier ------------------------------------
-
 GLUE_LABELS = ('label', 'gold_label', 'is_duplicate', 'score', 'quality')
 NLI_LABELS = {'entailment': 0, 'neutral': 1, 'contradiction': 2, 'not_entailment': 1}
 GLUE_FILES = {'train': ('train',), 'validation': ('dev', 'validation', 'dev_matched')}
@@ -521,7 +511,6 @@ def mean_attention_entropy(model, x, query_positions, batch_size=64):
     return torch.cat(ents).mean().item(), torch.cat(ents_q).mean().item()
 
 # ---- the training loop -------------------------------------------------------
-
 def _fmt_time(s):
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -556,13 +545,10 @@ class Runtime:
     autocast: object     # torch.autocast for CUDA bf16/fp16, else a null context
 
 def setup(device='auto', dtype='auto', grad_accum=1):
-    """This process's Runtime from the flags and torchrun's RANK / LOCAL_RANK / WORLD_SIZE (the process group
-    starts here)."""
+    """This process's Runtime from the flags and torchrun's RANK / LOCAL_RANK / WORLD_SIZE; starts the process group."""
     ddp, rank, world = 'RANK' in os.environ, int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-    asked, device = device, device if device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    device = check_device(device)
     cuda = device.startswith('cuda')
-    if cuda and not torch.cuda.is_available():
-        raise UsageError(f"--device {asked} but CUDA is not available (use --device cpu or auto)")
     if grad_accum % world:
         raise UsageError(f"--grad_accum {grad_accum} must be a multiple of the {world} processes")
     if ddp and not dist.is_initialized():
@@ -631,7 +617,7 @@ class NonFiniteLoss(RuntimeError):
                          f"{cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a numerically stable feature map "
                          "(hedgehog with its softmax over the feature dim, lolcats; --attn softmax checks the setup).")
 
-def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate=None, save=None, resume=None,
+def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None, save=None, resume=None,
         log_name='log.jsonl'):
     """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of convert.py's stages.
     module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made here.
@@ -639,13 +625,12 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
     loss_fn(net, batch) -> scalar loss; it calls `net` (module or its DDP wrapper), so that DDP syncs gradients.
     next_batch(gen) -> a micro-batch of CPU tensors (the first: the tokens counted), drawn with the generator `gen`
       only (seeded, checkpointed): every process draws every micro-batch and takes its share (one data stream).
-    cfg: a Schedule (TrainConfig.schedule()).
+    cfg: a Schedule (train.py: TrainConfig's fields of the same names).
     evaluate() -> {name: float}: on the master, in eval mode, every cfg.eval_interval steps and at the end.
     save(state) -> path (None: no checkpoints): after each evaluation, writes the model and `state` (optimizer,
       scaler, step, data stream, RNGs); given back as `resume` it continues exactly (you load the weights).
     log_name: out_dir's per-step {'iter', 'loss', 'lr'} rows. A non-finite loss, gradient norm or evaluation
       raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
-    rt = rt or setup(grad_accum=cfg.grad_accum)
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
     net = nn.parallel.DistributedDataParallel(module) if rt.ddp else module
@@ -692,7 +677,6 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt=None, evaluate
             'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
 
 # ---- the driver: a task's data and model, fit, the final metrics -------------
-
 class Task:
     """A run's data (a DataConfig): 'train' and 'val' splits of examples (text: window offsets into the token ids),
     batches of them as CPU tensors -- (x, y) for AR and text, (idx, mask, token types, labels) for GLUE."""
@@ -782,8 +766,7 @@ def final_metrics(module, model, task, rt):
         return {'dev_loss': loss, **{f"dev_{k}": v for k, v in glue_metric(cfg.glue_task, preds, labels).items()}}
     nq = 8 if cfg.task == 'mqar' else 1
     with rt.autocast:
-        ent, ent_q = mean_attention_entropy(model, task.splits['val'][0][:256].to(rt.device),
-                                            list(range(cfg.seq_len - nq, cfg.seq_len)))
+        ent, ent_q = mean_attention_entropy(model, task.splits['val'][0][:256].to(rt.device), slice(-nq, None))
     return {'test_loss': loss, 'test_acc': float((preds == labels).mean()), 'attn_entropy': ent,
             'attn_entropy_query': ent_q}
 
@@ -796,10 +779,6 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
                              emb_init_std=emb_init_std, num_labels=num_labels if family == 'bert' else 0,
                              tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv, attn=cfg.attn))
 
-def load_init(path, resume=False, **overrides):
-    """model.load -> (model, training state): with resume, our checkpoint as saved (no overrides)."""
-    return M.load(path, **({} if resume else overrides))
-
 def _model_and_task(cfg, explicit, verbose):
     """(model, task, resume state): resumed from out_dir/ckpt.pt, or loaded from --init_from (its tokenizer
     encodes the data; its attention is kept unless --attn is given), or from scratch (bytes for text/glue)."""
@@ -807,11 +786,11 @@ def _model_and_task(cfg, explicit, verbose):
     if cfg.resume:
         if not os.path.exists(ckpt):
             raise UsageError(f"--resume but there is no checkpoint {ckpt}")
-        model, state = load_init(ckpt, resume=True)
+        model, state = M.load(ckpt)   # as saved: no overrides
     elif cfg.init_from != 'scratch':
         over = dict({'attn': cfg.attn} if 'attn' in explicit else {}, dropout=cfg.dropout)
         glue = {'num_labels': glue_num_labels(cfg.glue_task)} if cfg.task == 'glue' else {}
-        model, _ = load_init(cfg.init_from, **over, **glue)
+        model, _ = M.load(cfg.init_from, **over, **glue)
     tok = get_tokenizer(cfg.tokenizer, model, verbose) if cfg.task in ('text', 'glue') else None
     task = Task(cfg.data_config(), tok, verbose)
     if model is None:
@@ -843,7 +822,7 @@ def train(cfg, explicit=frozenset()):
         def save(st):
             M.save(ckpt, model, **st, train_config=asdict(cfg), cls_head=head.state_dict() if head else {})
             return ckpt
-        run = fit(module, opt, task_loss, task.next_batch, cfg.schedule(), rt,
+        run = fit(module, opt, task_loss, task.next_batch, _subset(Schedule, cfg), rt,
                   lambda: estimate_loss(module, task, rt), save if cfg.save else None, state)
         if rt.ddp:
             dist.barrier()

@@ -17,6 +17,7 @@ from sklearn import metrics as sklearn_metrics
 from torch.nn import functional as F
 
 import attention
+import model as M
 import train as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,7 +254,7 @@ def test_text_from_scratch_is_bytes_whether_or_not_tiktoken_loads(tmp_path, requ
     if tiktoken_loads:
         s, _ = run(tmp_path, *args, '--tokenizer', 'gpt2', name='gpt2')
         assert (s['tokenizer'], s['model_config']['vocab_size']) == ('tiktoken-gpt2', 259)
-        model, _ = T.load_init(str(tmp_path / 'gpt2' / 'ckpt.pt'), resume=True)
+        model, _ = M.load(str(tmp_path / 'gpt2' / 'ckpt.pt'))
         assert model.tokenizer.encode('the') == [256, 101]                # 'th' 'e': the BPE, not bytes
     else:
         capsys.readouterr()
@@ -355,7 +356,7 @@ def test_train_ar_tiny(tmp_path, capsys):
     m = saved['metrics']
     assert s['metrics'] == m
     # the metrics, recomputed from the checkpoint on the 2000 test sequences (seed 1337 + 1_000_003, one query each)
-    model, _ = T.load_init(str(tmp_path / 'run' / 'ckpt.pt'), resume=True)
+    model, _ = M.load(str(tmp_path / 'run' / 'ckpt.pt'))
     x, y = T.make_associative_recall(2000, 16, 40, 1337 + 1_000_003)
     with torch.no_grad():
         logits = model(x)[0][:, -1].double()
@@ -511,8 +512,8 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
     _, resumed = run(tmp_path, *common, '--resume', name='split')
     assert [r['iter'] for r in resumed] == list(range(8))
     assert [r['loss'] for r in resumed] == [r['loss'] for r in full]      # bit-identical loss curve
-    a, _ = T.load_init(str(tmp_path / 'full' / 'ckpt.pt'), resume=True)
-    b, _ = T.load_init(str(tmp_path / 'split' / 'ckpt.pt'), resume=True)
+    a, _ = M.load(str(tmp_path / 'full' / 'ckpt.pt'))
+    b, _ = M.load(str(tmp_path / 'split' / 'ckpt.pt'))
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(p, q), n
 
@@ -541,7 +542,7 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch, c
     assert 'non-finite loss (nan) at step 6' in err
     assert 'lower --lr' in err and '--dtype float32' in err and 'feature map' in err
     assert 'last good checkpoint' in err and 'was kept' in err
-    model, extra = T.load_init(str(ckpt), resume=True)
+    model, extra = M.load(str(ckpt))
     assert extra['iter_num'] == 6                                   # saved after steps 4 and 5, not after 6
     assert all(torch.isfinite(p).all() for p in model.parameters())
     before = sha(ckpt)
@@ -591,8 +592,8 @@ def test_ddp_two_gloo_processes_match_single_process(tmp_path):
     a, b = read_log(single), read_log(ddp)
     assert [x['iter'] for x in b] == list(range(4))
     np.testing.assert_allclose([x['loss'] for x in b], [x['loss'] for x in a], rtol=1e-5, atol=1e-6)
-    ma, _ = T.load_init(os.path.join(single, 'ckpt.pt'), resume=True)
-    mb, _ = T.load_init(os.path.join(ddp, 'ckpt.pt'), resume=True)
+    ma, _ = M.load(os.path.join(single, 'ckpt.pt'))
+    mb, _ = M.load(os.path.join(ddp, 'ckpt.pt'))
     for (n, p), (_, q) in zip(ma.state_dict().items(), mb.state_dict().items()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=n)
 
@@ -612,7 +613,7 @@ def test_ddp_glue_on_a_causal_model(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     a, b = read_log(str(tmp_path / 'single')), read_log(str(tmp_path / 'ddp'))
     np.testing.assert_allclose([x['loss'] for x in b], [x['loss'] for x in a], rtol=1e-5, atol=1e-6)
-    (ma, sa), (mb, _) = (T.load_init(str(tmp_path / n / 'ckpt.pt'), resume=True) for n in ('single', 'ddp'))
+    (ma, sa), (mb, _) = (M.load(str(tmp_path / n / 'ckpt.pt')) for n in ('single', 'ddp'))
     torch.testing.assert_close(mb.lm_head.weight, ma.lm_head.weight)
     torch.manual_seed(1337)   # the scratch model's initial weights (train.py seeds them with --seed)
     init = T.build_model(*T.parse_config(T.TrainConfig, args)[:1], 257, 2, explicit={'family'})
