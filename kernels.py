@@ -262,9 +262,8 @@ if HAS_TRITON:
             qT = _tile(Q, offs_f, rows, 1, F, mask_f, mask_t)                      # (BF, BT)
             dy = _tile(DY, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
             w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))     # (BT,) row t's factor
-            rden = tl.load(RDEN + rows, mask=mask_t, other=0.)
-            g_w = w * rden                                                         # (BT,)
-            r_w = -w * rden * tl.load(DELTA + rows, mask=mask_t, other=0.)         # (BT,)
+            g_w = w * tl.load(RDEN + rows, mask=mask_t, other=0.)                 # (BT,)
+            r_w = -g_w * tl.load(DELTA + rows, mask=mask_t, other=0.)             # (BT,)
             decay = tl.exp(m_before - m_after)
             dS = dS * decay + _dot(qT, dy * g_w[:, None], BF16, PRECISION)         # (BF, BD)
             dz = dz * decay + tl.sum(qT.to(tl.float32) * r_w[None, :], axis=1)    # (BF,)
@@ -432,7 +431,7 @@ if HAS_TRITON:
 # shared memory of bf16 ones, and 'ieee' products (FMA, no tensor cores) hold whole rows of their
 # operands. The interpreter runs its programs one at a time: few, large blocks.
 BLOCKS = {'bf16': ((32, 32, 4), (64, 64, 8), (64, 64, 8)),
-          'tf32': ((32, 32, 4), (32, 32, 8), (64, 32, 8)),
+          'tf32': ((32, 32, 8), (32, 32, 8), (64, 32, 8)),
           'ieee': ((16, 16, 8), (32, 32, 8), (32, 32, 8)),
           'interpreter': ((64, 64, 4), (64, 64, 4), (64, 64, 4))}
 
