@@ -528,8 +528,9 @@ def load(path, **overrides):
     not) or hub name (needs internet), or a llama.cpp .gguf file (dequantised to float32).
     `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...). Only new
     attention parameters may be absent; when `attn` changes the map of a layer of our checkpoint, its trained
-    core is re-initialised (with a message); a change of `impl`, `sinks` or `cache` alone keeps it. model.tokenizer
-    is the checkpoint's own (or None). extra: what save(**extra) stored, and 'base' (a conversion's starting model)."""
+    core is re-initialised (with a message); a change of `impl`, `sinks`, `cache` or `decay` alone keeps it (a decay
+    added at load starts at its half-life). model.tokenizer is the checkpoint's own (or None). extra: what
+    save(**extra) stored, and 'base' (a conversion's starting model)."""
     names = [f.name for f in fields(GPTConfig)]
     bad = sorted(set(overrides) - set(names))
     if bad:
@@ -632,7 +633,8 @@ def _load_ours(path, overrides, as_base):
         model, _ = _load(base, {k: v for k, v in want.items() if k != 'family'}, as_base=True)
     else:
         model = build(GPTConfig(**want))
-    spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)), impl='chunked', sinks=0, cache=0)
+    spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)), impl='chunked', sinks=0, cache=0,
+                                  decay=0)
     changed = [i for i in range(saved.n_layer) if spec(saved, i) != spec(model.config, i)]
     if changed and not as_base:
         print(f"{path}: attention of layers {changed} changed to {overrides.get('attn')}: their cores are "
@@ -641,6 +643,7 @@ def _load_ours(path, overrides, as_base):
     kept = lambda k: not any(k.startswith(prefixes[i]) for i in changed)   # noqa: E731
     tensors, own = {k: v for k, v in obj['model'].items() if kept(k)}, _own_tensors(model)
     need = {k for k in own if kept(k) and ((k in new) if base else not (as_base and k in new))}
+    need -= {k for k in own if k.endswith('.decay_rate') and k not in tensors}   # a decay added at load
     _copy_checked(f"cannot load checkpoint {path}", own, tensors, {k: (k, lambda t: t) for k in own}, need)
     if obj.get('tokenizer'):
         model.tokenizer = tokenizer_lib.load_tokenizer(obj['tokenizer'])

@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import math
 
 import pytest
 import torch
@@ -473,6 +474,11 @@ def test_converted_checkpoint_holds_only_new_tensors_and_is_strict(tmp_path):
     ref = model.eval()(idx)[0].detach()
     rebuilt, _ = M.load(str(out.parent))                            # the base, then the new tensors
     torch.testing.assert_close(rebuilt.eval()(idx)[0].detach(), ref)
+    decayed, _ = M.load(str(out.parent), attn='hedgehog:window=4:feature_dim=8:decay=16')   # added at load:
+    own = decayed.state_dict()                                      # the trained maps kept, lambda^16 = 1/2
+    assert all(torch.equal(own[k], v) for k, v in saved['model'].items())
+    rates = [t for k, t in own.items() if k.endswith('.decay_rate')]
+    assert len(rates) == 2 and all(torch.allclose(r.exp(), torch.full_like(r, math.log(2) / 16)) for r in rates)
     # strict: unexpected names (e.g. LoRA weights of a layer the config has none on)
     bad = dict(saved, model={**saved['model'], 'transformer.h.0.attn.q_proj.lora_A': torch.zeros(2, 32)})
     torch.save(bad, tmp_path / 'bad.pt')
