@@ -14,8 +14,7 @@ The pipeline (`run`):
     transfer  (stage 1)                     only the cores train, each layer on its teacher's own q, k, v
     finetune  (stage 2)                     LoRA on q/k/v/o (or every weight) with the task loss
     model.save(out_dir/ckpt.pt, base=...)   only the new tensors; model.load(out_dir) rebuilds the rest
-After the swap and each stage, `evaluate` measures quality (held-out perplexity or the GLUE metric) and
-attention fidelity (per-layer KL(teacher softmax || student) and output MSE) into out_dir/summary.json.
+After the swap and each stage, `evaluate` measures quality and attention fidelity into out_dir/summary.json.
 Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss stop).
 """
 import json
