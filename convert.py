@@ -14,7 +14,7 @@ The pipeline (`run`):
     transfer  (stage 1)                     only the cores train, each layer on its teacher's own q, k, v
     finetune  (stage 2)                     LoRA on q/k/v/o (or every weight) with the task loss
     model.save(out_dir/ckpt.pt, base=...)   only the new tensors; model.load(out_dir) rebuilds the rest
-After the swap and each stage, `evaluate` measures quality and attention fidelity into out_dir/summary.json.
+After the swap and each stage, `evaluate` measures quality and attention fidelity (summary.json).
 Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss stop).
 """
 import json
@@ -123,7 +123,7 @@ def parse_layers(spec, n_layer):
     return sorted(out)
 
 # ---- DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec. 4.2) ----
-# Per head the DoF of the kernel's Gram matrix / J (the paper gives no J: we use 256); per layer their max.
+# Per head the DoF of the kernel's Gram matrix / J (the paper gives no J: 256); per layer their max.
 DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1; 2^-8 for Pythia-1B)
 
 def exp_gram(x: torch.Tensor) -> torch.Tensor:
@@ -319,11 +319,12 @@ def teacher_qk(model, batches, layers, rt):
 # ---- exact heads (issue 36): the teacher's retrieval heads keep exact softmax ----
 @torch.no_grad()
 def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
-    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: on passkey prompts of about `length` tokens
-    (train.passkey_prompts: depth 50 %, the probe's template and seed 1, not the test's) with the answer teacher-forced,
-    the attention mass its query heads put on the key's tokens (both mentions), averaged over the rows that predict
-    the answer, the query heads and the prompts. A soft form of Wu et al. 2024's retrieval score (how often the head's
-    largest weight is on the token being copied): it needs no correct greedy answer."""
+    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: on passkey prompts of about
+    `length` tokens (train.passkey_prompts: depth 50 %, the probe's template and seed 1, not the
+    test's) with the answer teacher-forced, the attention mass its query heads put on the key's
+    tokens (both mentions), averaged over the rows that predict the answer, the query heads and the
+    prompts. A soft form of Wu et al. 2024's retrieval score (how often the head's largest weight is
+    on the token being copied): it needs no correct greedy answer."""
     cfg = model.config
     score = torch.zeros(cfg.n_layer, cfg.n_kv_head, dtype=torch.float64)
     prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,), samples=samples, seed=seed,
@@ -373,7 +374,7 @@ def swap(model, cfg, layers, qk):
         print(f"exact KV heads ({cfg.exact_rank}): {out['exact_heads']}", flush=True)
     for l, s in specs.items():   # (set_attention: on the model's device)
         model.set_attention(s, [l])
-        model.attention_cores()[l].calibrate(*qk[l])   # LLN's moment matching, the 'mix' window share
+        model.attention_cores()[l].calibrate(*qk[l])   # LLN's moments, the 'mix' window share
     out['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap, 'feature_dim', 0) for l in layers}
     return out
 
