@@ -14,8 +14,7 @@ The pipeline (`run`):
     transfer  (stage 1)                     only the cores train, each layer on its teacher's own q, k, v
     finetune  (stage 2)                     LoRA on q/k/v/o (or every weight) with the task loss
     model.save(out_dir/ckpt.pt, base=...)   only the new tensors; model.load(out_dir) rebuilds the rest
-After the swap and each stage, `evaluate` measures quality (held-out perplexity or the GLUE metric) and
-attention fidelity (per-layer KL(teacher softmax || student) and output MSE) into out_dir/summary.json.
+After the swap and each stage, `evaluate` measures quality and attention fidelity (summary.json).
 Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss stop).
 """
 import json
@@ -124,9 +123,7 @@ def parse_layers(spec, n_layer):
     return sorted(out)
 
 # ---- DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec. 4.2) ----
-# Per head: J points drawn from the pooled teacher queries and keys (after RoPE), the kernel Gram matrix
-# divided by J, N_lambda = tr(S/J (S/J + lambda I)^-1); layer DoF = max over heads; M_s = C N_s / mean N_s,
-# so the mean cost is C.  The paper gives no J: we use 256.  DoF + Clip clamps M_s at the head size.
+# Per head the DoF of the kernel's Gram matrix / J (the paper gives no J: 256); per layer their max.
 DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1; 2^-8 for Pythia-1B)
 
 def exp_gram(x: torch.Tensor) -> torch.Tensor:
@@ -252,9 +249,7 @@ def transfer_loss(core, q, k, v, mask, weights):
         loss = loss + weights['ce'] * _row_mean(ce, mask)
     if weights.get('mse'):
         loss = loss + weights['mse'] * _row_mean((core(q, k, v, **kw) - y_t).square().mean(-1), mask)
-    if weights.get('l2'):
-        if core.fmap is None:
-            raise UsageError("the l2 kernel loss needs a feature map")
+    if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS)
         phi_q, phi_k, c_q, c_k = core.fmap.features(q, k)   # the exact features (shifts undone): the kernel is
         phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]   # unnormalised
         if mask is not None:
@@ -324,12 +319,12 @@ def teacher_qk(model, batches, layers, rt):
 # ---- exact heads (issue 36): the teacher's retrieval heads keep exact softmax ----
 @torch.no_grad()
 def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
-    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: passkey prompts of about `length` tokens
-    (train.passkey_prompts, depth 50 %, the probe's own template and seed 1, not the test prompts') with the answer
-    teacher-forced; the attention
-    mass the head's query heads put on the key's tokens in the prompt (both mentions), averaged over the rows that
-    predict the answer's tokens, the query heads and the prompts. A soft form of Wu et al. 2024's retrieval score
-    (how often the head's largest weight is on the token being copied): it needs no correct greedy answer."""
+    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: on passkey prompts of about
+    `length` tokens (train.passkey_prompts: depth 50 %, the probe's template and seed 1, not the
+    test's) with the answer teacher-forced, the attention mass its query heads put on the key's
+    tokens (both mentions), averaged over the rows that predict the answer, the query heads and the
+    prompts. A soft form of Wu et al. 2024's retrieval score (how often the head's largest weight is
+    on the token being copied): it needs no correct greedy answer."""
     cfg = model.config
     score = torch.zeros(cfg.n_layer, cfg.n_kv_head, dtype=torch.float64)
     prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,), samples=samples, seed=seed,
@@ -359,7 +354,7 @@ def exact_heads(scores, n, rank='probe', seed=0):
 
 def swap(model, cfg, layers, qk):
     """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k; with
-    --exact_heads, the heads kept exact on each layer)."""
+    --exact_heads, the heads kept exact on each layer), calibrated on the teacher's q, k."""
     spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
@@ -377,8 +372,10 @@ def swap(model, cfg, layers, qk):
                                                                                 cfg.seed))
         specs.update({l: replace(specs[l], exact='+'.join(map(str, h))) for l, h in out['exact_heads'].items()})
         print(f"exact KV heads ({cfg.exact_rank}): {out['exact_heads']}", flush=True)
-    for l, s in specs.items():
+    for l, s in specs.items():   # (set_attention: on the model's device)
         model.set_attention(s, [l])
+        model.attention_cores()[l].calibrate(*qk[l])   # LLN's moments, the 'mix' window share
+    out['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap, 'feature_dim', 0) for l in layers}
     return out
 
 def _schedule(cfg, iters, lr):
@@ -467,10 +464,6 @@ def run(cfg):
     if cfg.spec != A.AttnSpec():   # plain softmax: the control run, stage 2 on the teacher itself
         qk = teacher_qk(model, calib, layers, rt)
         summary.update(swap(model, cfg, layers, qk))
-        model.to(rt.device)
-        for l in layers:   # LLN's moment matching and the 'mix' window share, from the teacher's q, k
-            model.attention_cores()[l].calibrate(*qk[l])
-        summary['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap, 'feature_dim', 0) for l in layers}
     for name, step in (('swap', None), ('stage1', lambda: transfer(model, task, cfg, rt, layers)),
                        ('stage2', lambda: finetune(model, module, task, cfg, rt))):
         fit = step() if step else {}

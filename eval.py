@@ -434,7 +434,6 @@ def fidelity_stats(q, k, maps, causal=True):
     del stats['softmax']['kl']
     return stats, weights
 
-@torch.no_grad()
 def report_fidelity(args):
     specs = parse_maps(args.maps)
     model, _, tok = load(args)

@@ -457,7 +457,6 @@ class DecodeGraph:
     cg=True; HF's static cache with torch.compile). The states live in fixed buffers (KV caches
     static, with room for `capacity` tokens; hybrids.static_state), the token and the position in
     fixed tensors; a replay launches the step's kernels at once, with no Python between them.
-    Eager decoding launches them one by one from Python, which at batch 1 sets the time per token.
     compile: the step first fused by torch.compile (inductor: far fewer kernels than aten ops).
         step = DecodeGraph(model, tok, pos, states, capacity)   # after a prefill; pos: tok's position
         logits = step(tok)                                      # the next token's logits; pos moves on"""

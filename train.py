@@ -699,8 +699,6 @@ class Task:
         self.size = {k: len(d) - cfg.seq_len - 1 if cfg.task == 'text' else len(d[0]) for k, d in self.splits.items()}
         if verbose:   # (examples; for text, window offsets)
             print(f"{cfg.task}: {self.size['train']:,} train / {self.size['val']:,} val examples")
-        if self.size['train'] < 1:
-            raise UsageError("no training data")
         if cfg.batch_size > self.size['train']:
             raise UsageError(f"--batch_size {cfg.batch_size} is more than the {self.size['train']:,} training examples")
 
