@@ -29,6 +29,10 @@ import attention as A
 from attention import NO_KEY, UsageError, acc, linear_attention, linear_attention_parts, softmax_attention
 
 # ---- 1. the hybrids, all tokens at once ----------------------------------------
+def _divide(num, den):
+    """num / den per row, 0 where den is 0 (a row whose features are all 0)."""
+    return num / den.where(den > 0, 1.0)[..., None]
+
 def _band_blocks(x, w):
     """(B, H, T, E) -> (B, H, n = ceil(T / w), 3w, E): for each block b of w rows, blocks b - 1, b, b + 1 (0-padded)."""
     n = math.ceil(x.shape[2] / w)
@@ -128,8 +132,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
         keys = torch.ones(B, T, dtype=torch.bool, device=q.device)
     num_w, den_w, m_w = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
-        y = num_w / den_w.where(den_w > 0, 1.0)[..., None]
-        return y.to(v.dtype), torch.ones_like(den_w)
+        return _divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
     is_sink = torch.arange(T, device=q.device) < n_sinks     # sinks are not in the linear part
     phi_k, c_k = acc(phi_k) * ~is_sink[:, None], c_k.masked_fill(is_sink, NO_KEY)
     linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
@@ -142,7 +145,6 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
                                      spec.combine)
     return y.to(v.dtype), share
 
-
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al. 2023, Sec. 4.2."""
     B, H, T, D = q.shape
@@ -153,11 +155,6 @@ def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril() if causal else mask
     mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself: finite
     return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
-
-
-def _divide(num, den):
-    """num / den per row, 0 where den is 0 (a row whose features are all 0)."""
-    return num / den.where(den > 0, 1.0)[..., None]
 
 # ---- 2. the decode states -------------------------------------------------------
 def state_tensors(state):
@@ -270,13 +267,10 @@ class Slots:
         the device) by a state that has seen n tokens, for one that has seen n_new; position (m,):
         what pos records there."""
         s = self if self.static or self.owner[0] == n else self.copy()   # (static: no Python state)
-        s.k.index_copy_(2, slot, k)
-        s.v.index_copy_(2, slot, v)
         s.pos.index_copy_(0, slot, position)
-        if phi is not None:
-            s.phi.index_copy_(2, slot, phi)
-        if c is not None:
-            s.c.index_copy_(2, slot, c)
+        for dst, src in ((s.k, k), (s.v, v), (s.phi, phi), (s.c, c)):
+            if src is not None:
+                dst.index_copy_(2, slot, src)
         if not self.static:
             s.owner[0] = n_new
         return s
@@ -423,7 +417,7 @@ def lola_select(state, cand, n_keep, kv_groups):
     indices (B, H_kv, n_keep), the new LinearState)."""
     rep = lambda x: x.repeat_interleave(kv_groups, 1)  # noqa: E731, GQA: query head h reads kv head h // g
     num, den = cand.phi @ state.S, (cand.phi @ state.z[..., None])[..., 0]   # (B, H, L, D), (B, H, L)
-    sre = (num / den.where(den > 0, 1.0)[..., None] - rep(cand.v)).square().sum(-1)            # (B, H, L)
+    sre = (_divide(num, den) - rep(cand.v)).square().sum(-1)                         # (B, H, L)
     sre = sre.unflatten(1, (-1, kv_groups)).mean(2)                                               # (B, H_kv, L)
     keep = sre.topk(min(n_keep, sre.shape[-1]), -1).indices.sort(-1).values                      # (B, H_kv, n_keep)
     fold = rep(torch.ones_like(sre, dtype=torch.bool).scatter(-1, keep, False))                  # (B, H, L)
@@ -457,10 +451,11 @@ class Attention(nn.Module):
         self.chunk_size = 64   # the linear paths' speed setting, not the outputs'
         self.share = None
         n_kv = n_heads // kv_groups
-        exact = self._exact_kv_heads(n_kv)
+        exact = sorted({int(h) for h in spec.exact.split('+')} if spec.exact else ())   # KV heads
+        if exact and exact[-1] >= n_kv:
+            raise UsageError(f"attention spec '{spec}': exact names KV heads of 0..{n_kv - 1}")
         all_exact = len(exact) == n_kv   # every head exact: the layer is exact softmax
-        if all_exact:
-            exact = []
+        exact = [] if all_exact else exact
         heads = torch.arange(n_heads).view(n_kv, kv_groups)   # query heads by KV head
         rest = [h for h in range(n_kv) if h not in exact]
         self.exact_q = heads[exact].flatten().tolist()   # the query heads kept exact
@@ -473,7 +468,10 @@ class Attention(nn.Module):
             options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
             options.update(spec.options)  # the spec's own max_len wins
             self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
-        self.mode = self._mode(all_exact)
+        if all_exact or (self.fmap is None and not spec.window):   # the modes: see the docstring
+            self.mode = 'softmax'
+        else:
+            self.mode = 'window' if spec.window else 'diag' if spec.diag_block else 'linear'
         if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
             rate = math.log(math.log(2) / spec.decay)
             self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),), rate))
@@ -482,24 +480,6 @@ class Attention(nn.Module):
             # until calibrate() sets it
             theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((len(self.rest_q),), theta))
-
-    def _exact_kv_heads(self, n_kv):
-        """The KV heads spec exact= keeps as exact softmax, sorted."""
-        exact = sorted({int(h) for h in self.spec.exact.split('+')} if self.spec.exact else ())
-        if exact and exact[-1] >= n_kv:
-            raise UsageError(f"attention spec '{self.spec}': exact names KV heads of 0..{n_kv - 1}")
-        return exact
-
-    def _mode(self, all_exact):
-        """softmax (exact), window (the sliding-window hybrid, or sliding-window softmax alone),
-        diag (LLN+Diag) or linear."""
-        if all_exact or (self.fmap is None and not self.spec.window):
-            return 'softmax'
-        if self.spec.window:
-            return 'window'
-        if self.spec.diag_block:
-            return 'diag'
-        return 'linear'
 
     window = property(lambda self: self.spec.window)
 
@@ -553,8 +533,6 @@ class Attention(nn.Module):
 
     def _steps(self, step, q, k, v, state):
         """Tokens after a state, one step each: (y (B, H, T, D), the state after them)."""
-        if q.shape[2] == 1:
-            return step(q, k, v, state)
         ys = []
         for t in range(q.shape[2]):
             y, state = step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
@@ -601,9 +579,8 @@ class Attention(nn.Module):
         new tokens)."""
         st = state.append(k[:, ::self.kv_groups], v[:, ::self.kv_groups])
         keys, values, mask = st.keys()
-        T = q.shape[2]
-        if T > 1:
-            mask = A.causal_mask(T, st.n, q.device)
+        if q.shape[2] > 1:
+            mask = A.causal_mask(q.shape[2], st.n, q.device)
         return softmax_attention(q, keys, values, causal=False, attn_mask=mask), st
 
     # -- linear: one path for both phases, from a state (S, z, m) or from zeros
@@ -648,8 +625,7 @@ class Attention(nn.Module):
 
     # -- window: sliding-window softmax + linear (LoLCATs), sinks
     def _window_parallel(self, q, k, v, key_padding_mask, return_state):
-        """All tokens from the start, without a cache: window_linear_attention; the state keeps the
-        sinks and the last window tokens in their slots, and folds the tokens before those."""
+        """All tokens from the start, without a cache: window_linear_attention; a WindowState."""
         phi_q, phi_k, c_q, c_k = self._features(q, k, 0, key_padding_mask)
         y, share = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(),
                                            self.causal, key_padding_mask, self.chunk_size)
@@ -675,10 +651,9 @@ class Attention(nn.Module):
             slots = slots.write(slots.owner[0], T, slot, mark, k1[:, :, p], v1[:, :, p], phi_p, c_p)
         linear = None
         if phi_k is not None:   # tokens sinks..T-W have left the window: folded
-            F = phi_k.shape[-1]
             fold = slice(self.spec.sinks, max(T - W + 1, self.spec.sinks))
-            linear = LinearState.empty(B, H, F, D, k).fold(phi_k[:, :, fold], c_k[:, :, fold],
-                                                            v[:, :, fold], T)
+            empty = LinearState.empty(B, H, phi_k.shape[-1], D, k)
+            linear = empty.fold(phi_k[:, :, fold], c_k[:, :, fold], v[:, :, fold], T)
         return WindowState(slots, linear, _position(k, T), T)
 
     def _window_step(self, q, k, v, st):
@@ -689,7 +664,7 @@ class Attention(nn.Module):
         phi_q, phi_k, c_q, c_k = self._features(q, k, st.n, pos=st.pos)
         features = () if phi_k is None else (phi_k, c_k if self.shifted else None)
         k1, v1 = (k, v) if g == 1 else (k[:, ::g], v[:, ::g])            # (B, H_kv, 1, D)
-        ring = st.pos % W + N if N else st.pos % W                         # (1,) its ring slot
+        ring = st.pos % W + N                                              # (1,) its ring slot
         marker = st.pos.where(st.pos >= N, -1) if st.n < N else st.pos    # a sink: attended as one
         slots = st.slots.write(st.n, st.n + 1, ring, marker, k1, v1, *features)
         if st.n < N:   # a sink: in its own slot too
@@ -717,8 +692,7 @@ class Attention(nn.Module):
         """st's linear state with the token that leaves the window for the next query folded: the
         one in the ring's next slot (none where that slot is empty or holds a sink)."""
         W, N, g = self.window, self.spec.sinks, self.kv_groups
-        leaving = (st.pos + 1) % W                                         # (1,)
-        leaving = leaving + N if N else leaving
+        leaving = (st.pos + 1) % W + N                                     # (1,)
         phi, v = slots.phi.index_select(2, leaving), slots.v.index_select(2, leaving)
         v = v if g == 1 else v.repeat_interleave(g, 1)                     # (B, H, 1, D)
         c = slots.c.index_select(2, leaving) if slots.c is not None else None
