@@ -113,10 +113,7 @@ class FeatureMap(nn.Module):
             q, k = acc(q), acc(k)
             if not self.log_domain:
                 phi_q, phi_k = self._sides(self.phi, q, k, offset)
-                no_shift = phi_q.new_zeros(phi_q.shape[:-1])                # (B, H, T)
-                if phi_k.shape != phi_q.shape:
-                    return phi_q, phi_k, no_shift, phi_k.new_zeros(phi_k.shape[:-1])
-                return phi_q, phi_k, no_shift, no_shift
+                return phi_q, phi_k, *(x.new_zeros(x.shape[:-1]) for x in (phi_q, phi_k))   # c: 0
             u_q, u_k = self._sides(self.log_phi, q, k, offset)
             c_q, c_k = (u.detach().amax(-1) * self.shift for u in (u_q, u_k))
             return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None]), c_q, c_k
@@ -204,9 +201,8 @@ class PerformerFeatureMap(FeatureMap):
     def features(self, q, k, offset=0):
         if self.training and self.redraw_interval > 0:
             if self.calls > 0 and self.calls % self.redraw_interval == 0:
-                omega = _orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim,
-                                             self.generator)
-                self.omega.copy_(omega)
+                self.omega.copy_(_orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim,
+                                                      self.generator))
             self.calls += 1
         return super().features(q, k, offset)
 
@@ -243,9 +239,7 @@ class TaylorFeatureMap(FeatureMap):
         super().__init__(head_dim, n_heads)
         self.feature_dim = 1 + head_dim + head_dim ** 2
 
-    def phi(self, x, which, offset):
-        """x (B, H, T, D) -> (B, H, T, 1 + D + D^2): [1, x / D^1/4, vec(x x^T) / sqrt(2D)], the
-        same for q and k."""
+    def phi(self, x, which, offset):   # (B, H, T, D) -> (B, H, T, 1 + D + D^2)
         x2 = (x[..., :, None] * x[..., None, :]).flatten(-2) / math.sqrt(2 * self.head_dim)
         return torch.cat([torch.ones_like(x[..., :1]), x * self.head_dim ** -0.25, x2], dim=-1)
 
@@ -472,8 +466,7 @@ WINDOW_COMBINES = ('joint', 'mix')
 OPTION_ALIASES = {'t': 'temperature', 'f': 'feature_dim'}
 
 def _fits(value, annotation):
-    """value has the annotated type: int, float (an int too), bool, str, or a union such as
-    int | None."""
+    """value has the annotated type: int, float (an int too), bool, str, or a union (int | None)."""
     types = get_args(annotation) or (annotation,)
     return any(type(value) is t or (t is float and type(value) is int) for t in types)
 
@@ -486,19 +479,14 @@ class AttnSpec:
     setting or option: as written). A changed copy: dataclasses.replace(spec, impl='recurrent')
     (options may be a dict)."""
     name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
-    window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs); softmax: the
-                              # sliding-window softmax alone
-    sinks: int = 0            # the first `sinks` tokens stay in the window's softmax part
-                              # (StreamingLLM's sink tokens)
-    cache: int = 0            # > 0: LoLA's sparse cache of that many pairs in the softmax part too
-                              # (causal window)
-    cache_block: int = 64     # LoLA's pending block: pairs compete for the cache each time this many
-                              # left the window
+    window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs), or alone for softmax
+    sinks: int = 0            # the first tokens, kept in the window's softmax part (StreamingLLM)
+    cache: int = 0            # > 0: LoLA's sparse cache of that many pairs, in the softmax part too
+    cache_block: int = 64     # LoLA: the cache's update, each time this many pairs left the window
     combine: str = 'joint'    # the window form: joint | mix
     diag_block: int = 0       # > 0: block-diagonal softmax + linear (LLN+Diag)
     impl: str = 'chunked'     # the linear-attention path: quadratic | chunked | recurrent | triton
-    exact: str = ''           # KV heads kept exact softmax (their query heads, a KV cache of their
-                              # own), e.g. 0+2
+    exact: str = ''           # KV heads kept exact softmax, with a KV cache of their own, e.g. 0+2
     decay: int = 0            # > 0: the linear state decays, S_t = lambda S_t-1 + phi(k_t) v_t^T, a
                               # learned lambda per head starting at a half-life of this many tokens
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
@@ -736,10 +724,7 @@ def monotonicity(w, q, k, causal=True):
         rs, rw = rs - rs.mean(-1, keepdim=True), rw - rw.mean(-1, keepdim=True)
         norms = (rs.square().sum(-1) * rw.square().sum(-1)).sqrt()
         rhos.append((rs * rw).sum(-1) / (norms + 1e-30))
-    if causal:
-        vis = causal_mask(T, T, w.device).expand_as(w)
-    else:
-        vis = torch.ones_like(w, dtype=torch.bool)
+    vis = (causal_mask(T, T, w.device) | (not causal)).expand_as(w)   # the visible pairs
     return torch.stack(rhos, -1).mean(-1), (s[vis].float(), w[vis].float())
 
 def kl_divergence(p, q, eps=1e-12):
