@@ -45,12 +45,11 @@ D=64, bf16):
     bwd dv      _bwd_dv_kernel     (NT, BH, D/BD) (512, 12, 1): dv of one chunk; holds P^T (BT, BT),
                                    k dS (BT, BD), accumulated over feature blocks of 64
 
-Blocks and warps: BLOCKS and _launches, large blocks that compile without spills, registers to
-spare, for sm_80 and sm_90 (tests/test_kernels_compile.py). The stored states cost memory:
-(BH, NT, F, D) in the operands' dtype if bf16 (the dots read them in bf16 anyway: the same
-rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands 2 F D / 64 + 4 F / 64 bytes per
-token and head: 264 B at F=128, D=64 (q and k in bf16: 512 B), 104 MB at B=1, H=12, T=32K;
-1,040 B at F=256, D=128. The forward frees them; the backward holds two sets (states and their gradients).
+Memory. The stored states are (BH, NT, F, D) in the operands' dtype if bf16 (the dots read them
+in bf16 anyway: the same rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands
+2 F D / 64 + 4 F / 64 bytes per token and head: 264 B at F=128, D=64 (q and k in bf16: 512 B),
+104 MB at B=1, H=12, T=32K; 1,040 B at F=256, D=128. The forward frees them; the backward holds
+two sets (states and their gradients). Blocks and warps: BLOCKS.
 
 Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and
 delta_t = dy_t . y_t:
@@ -436,9 +435,7 @@ BLOCKS = {'bf16': ((32, 32, 4), (64, 64, 8), (64, 64, 8)),
           'interpreter': ((64, 64, 4), (64, 64, 4), (64, 64, 4))}
 
 def _launches(BH, T, F, D, chunk, cfg):
-    """Every launch, name -> (kernel, grid, meta: blocks, num_warps, cfg (BF16, PRECISION)). The
-    backward runs 'fwd state' again (the states are recomputed, not saved), then the three 'bwd'
-    ones."""
+    """Every launch, name -> (kernel, grid, meta: blocks, num_warps, cfg (BF16, PRECISION))."""
     form = 'interpreter' if INTERPRET else 'bf16' if cfg['BF16'] else cfg['PRECISION']
 
     def meta(block_f, block_d, warps):   # blocks no larger than the (power-of-two) sizes need
@@ -466,45 +463,13 @@ def _launch(launches, name, *args):
     kernel[grid](*args, **meta)
 
 def _chunk_states(x, T, F, D, chunk, cfg):
-    """Empty per-chunk states (B*H, NT, F, D), bf16 for bf16 operands, else fp32, and their z
-    (B*H, NT, F) fp32."""
+    """Empty per-chunk states (B*H, NT, F, D) and their z (B*H, NT, F) (dtypes: Memory above)."""
     nt, dt = triton.cdiv(T, chunk), torch.bfloat16 if cfg['BF16'] else torch.float32
     return x.new_empty(x.shape[0], nt, F, D, dtype=dt), x.new_empty(x.shape[0], nt, F, dtype=torch.float32)
 
 def _new_state(x, F, D):
     """An empty fp32 state (S (B*H, F, D), z (B*H, F)) beside x (B*H, ...)."""
     return x.new_empty(x.shape[0], F, D, dtype=torch.float32), x.new_empty(x.shape[0], F, dtype=torch.float32)
-
-def _fwd(q, k, v, S0, z0, shifts, eps, store_state, chunk, cfg):
-    """q, k (BH, T, F), v (BH, T, D) contiguous, one dtype; S0, z0 fp32 or None; shifts: (c, m (BH,
-    T), m0 (BH,)) fp32. -> y (BH, T, D), rden (BH, T), the final state (S_T, z_T) or None."""
-    (BH, T, F), D = q.shape, v.shape[-1]
-    launches = _launches(BH, T, F, D, chunk, cfg)
-    states, zs = _chunk_states(q, T, F, D, chunk, cfg)
-    y, rden = torch.empty_like(v), q.new_empty(BH, T, dtype=torch.float32)
-    S_end, z_end = _new_state(q, F, D) if store_state else (None, None)
-    _launch(launches, 'fwd state', k, v, *shifts, states, zs, S0, z0, S_end, z_end, T, F, D)
-    _launch(launches, 'fwd out', q, k, v, y, rden, states, zs, *shifts, T, F, D, float(eps))
-    return y, rden, (S_end, z_end) if store_state else None
-
-def _bwd(q, k, v, y, rden, S0, z0, shifts, dy, dS_end, dz_end, need_dinit, chunk, cfg, dtypes):
-    """All (BH, ..) contiguous; dS_end, dz_end: the gradients reaching the final state, or None.
-    -> dq, dk (BH, T, F), dv (BH, T, D) in dtypes, the initial state's gradients (or None) fp32."""
-    (BH, T, F), D = q.shape, v.shape[-1]
-    delta = (dy.float() * y.float()).sum(-1)                               # (BH, T) dy_t . y_t
-    launches = _launches(BH, T, F, D, chunk, cfg)
-    states, zs = _chunk_states(q, T, F, D, chunk, cfg)
-    dstates, dzs = _chunk_states(q, T, F, D, chunk, cfg)
-    dq, dk, dv = (q.new_empty(BH, T, n, dtype=dt) for n, dt in zip((F, F, D), dtypes))
-    dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)
-    c, m, m0 = shifts
-    _launch(launches, 'fwd state', k, v, *shifts, states, zs, S0, z0, None, None, T, F, D)
-    _launch(launches, 'bwd dstate', q, dy, m, m0, rden, delta, dstates, dzs, dS_end, dz_end, dS0, dz0,
-            T, F, D)
-    _launch(launches, 'bwd dqk', q, k, v, dy, rden, delta, states, zs, dstates, dzs, *shifts, dq, dk,
-            T, F, D)
-    _launch(launches, 'bwd dv', q, k, dy, rden, dstates, *shifts, dv, T, F, D)
-    return dq, dk, dv, (dS0, dz0)
 
 def _on_device(x):
     """Launch on x's GPU (a no-op on the CPU)."""
@@ -523,11 +488,8 @@ class CausalLinearAttention(torch.autograd.Function):
     def forward(ctx, phi_q, phi_k, v, S0, z0, c, m0, eps, return_state, chunk_size, allow_tf32):
         (B, H, T, F), D = phi_q.shape, v.shape[-1]
         dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)
-        # the operands: bf16 if one input is bf16, else the promoted dtype (see Precision)
-        if torch.bfloat16 in dtypes:
-            dtype = torch.bfloat16
-        else:
-            dtype = functools.reduce(torch.promote_types, dtypes)
+        promoted = functools.reduce(torch.promote_types, dtypes)
+        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else promoted   # see Precision
         tf32 = torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32
         cfg = _cfg(dtype, tf32)
         q, k, vv = (x.to(dtype).reshape(B * H, T, -1).contiguous() for x in (phi_q, phi_k, v))
@@ -535,7 +497,13 @@ class CausalLinearAttention(torch.autograd.Function):
             S0, z0 = _rows(S0, F, D), _rows(z0, F)
         c, m0 = _rows(c, T), _rows(m0)
         m = torch.maximum(c.cummax(-1).values, m0[:, None]).contiguous()   # (BH, T) running max
-        y, rden, state = _fwd(q, k, vv, S0, z0, (c, m, m0), eps, return_state, chunk_size, cfg)
+        launches = _launches(B * H, T, F, D, chunk_size, cfg)
+        states, zs = _chunk_states(q, T, F, D, chunk_size, cfg)
+        y, rden = torch.empty_like(vv), q.new_empty(B * H, T, dtype=torch.float32)   # rden: 1 / den
+        S_end, z_end = _new_state(q, F, D) if return_state else (None, None)
+        _launch(launches, 'fwd state', k, vv, c, m, m0, states, zs, S0, z0, S_end, z_end, T, F, D)
+        _launch(launches, 'fwd out', q, k, vv, y, rden, states, zs, c, m, m0, T, F, D, float(eps))
+        del states, zs   # the backward recomputes them
         ctx.save_for_backward(q, k, vv, y, rden, S0, z0, c, m, m0)
         ctx.cfg, ctx.dtypes = (B, H, T, F, D, chunk_size, cfg), dtypes
         y = y.reshape(B, H, T, D).to(v.dtype)
@@ -543,24 +511,30 @@ class CausalLinearAttention(torch.autograd.Function):
             return y
         m_end = m[:, -1].reshape(B, H)
         ctx.mark_non_differentiable(m_end)
-        return y, state[0].reshape(B, H, F, D), state[1].reshape(B, H, F), m_end
+        return y, S_end.reshape(B, H, F, D), z_end.reshape(B, H, F), m_end
 
     @staticmethod
     def backward(ctx, dy, dS_end=None, dz_end=None, dm_end=None):
         q, k, vv, y, rden, S0, z0, c, m, m0 = ctx.saved_tensors
         B, H, T, F, D, chunk, cfg = ctx.cfg
-        if dy is None:
-            dy = torch.zeros_like(vv)
-        else:
-            dy = dy.to(vv.dtype).reshape(B * H, T, D).contiguous()
+        dy = torch.zeros_like(vv) if dy is None else dy.to(vv.dtype).reshape(vv.shape).contiguous()
         if dS_end is not None or dz_end is not None:   # the one not used downstream: zeros
-            dS_end = q.new_zeros(B * H, F, D) if dS_end is None else dS_end
-            dz_end = q.new_zeros(B * H, F) if dz_end is None else dz_end
-            dS_end, dz_end = _rows(dS_end, F, D), _rows(dz_end, F)
+            dS_end = _rows(q.new_zeros(B * H, F, D) if dS_end is None else dS_end, F, D)
+            dz_end = _rows(q.new_zeros(B * H, F) if dz_end is None else dz_end, F)
         need_dinit = S0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
-        with _on_device(q):
-            dq, dk, dv, (dS0, dz0) = _bwd(q, k, vv, y, rden, S0, z0, (c, m, m0), dy, dS_end, dz_end,
-                                          need_dinit, chunk, cfg, ctx.dtypes)
+        with _on_device(q):   # dS_end, dz_end: the gradients reaching the final state, or None
+            delta = (dy.float() * y.float()).sum(-1)                           # (BH, T) dy_t . y_t
+            launches = _launches(B * H, T, F, D, chunk, cfg)
+            states, zs = _chunk_states(q, T, F, D, chunk, cfg)
+            dstates, dzs = _chunk_states(q, T, F, D, chunk, cfg)
+            dq, dk, dv = (q.new_empty(B * H, T, n, dtype=dt) for n, dt in zip((F, F, D), ctx.dtypes))
+            dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)   # fp32
+            _launch(launches, 'fwd state', k, vv, c, m, m0, states, zs, S0, z0, None, None, T, F, D)
+            _launch(launches, 'bwd dstate', q, dy, m, m0, rden, delta, dstates, dzs, dS_end, dz_end,
+                    dS0, dz0, T, F, D)
+            _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m, m0,
+                    dq, dk, T, F, D)
+            _launch(launches, 'bwd dv', q, k, dy, rden, dstates, c, m, m0, dv, T, F, D)
         grads = [g.reshape(B, H, T, -1) for g in (dq, dk, dv)]
         if need_dinit:
             dS0, dz0 = dS0.reshape(B, H, F, D), dz0.reshape(B, H, F)
@@ -594,12 +568,11 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
-    S0, z0, m0 = None, None, None
-    if initial_state is not None:
+    if initial_state is None:   # no state: no key yet
+        S0, z0, m0 = None, None, phi_q.new_full(phi_q.shape[:2], NO_KEY)
+    else:
         S0, z0 = initial_state[:2]
         m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(phi_q.shape[:2])
-    if m0 is None:   # no state: no key yet
-        m0 = phi_q.new_full(phi_q.shape[:2], NO_KEY)
     c = phi_q.new_zeros(phi_q.shape[:3]) if c_k is None else c_k
     with _on_device(v):
         out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c.detach(), m0.detach(), eps,
