@@ -44,10 +44,6 @@ def acc(x):
     """x in the accumulation dtype: float32, or float64 when given float64 (the float64 checks)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
-def like(x, y):
-    """x in y's dtype (x itself when it already is)."""
-    return x if x.dtype == y.dtype else x.to(y.dtype)
-
 def _choose(what, value, choices):
     if value not in choices:
         raise UsageError(f"unknown {what} {value!r}; choose one of: {', '.join(map(str, choices))}")
@@ -133,11 +129,11 @@ def _per_head_linear(x, weight, bias=None):
     batched product over the heads (the weights are not copied: the rows of x are)."""
     *lead, H, T, D = x.shape
     rows = x.movedim(-3, 0).reshape(H, -1, D)                         # (H, N, D)
-    weight = like(weight, x).mT                                       # (H, D, F)
+    weight = weight.to(x.dtype).mT                                   # (H, D, F)
     if bias is None:
         y = torch.bmm(rows, weight)
     else:
-        y = torch.baddbmm(like(bias, x)[:, None], rows, weight)       # (H, N, F)
+        y = torch.baddbmm(bias.to(x.dtype)[:, None], rows, weight)    # (H, N, F)
     return y.view(H, *lead, T, -1).movedim(0, -3)
 
 class EluFeatureMap(FeatureMap):
@@ -447,7 +443,7 @@ class DoFFeatureMap(FeatureMap):
         D, M = self.head_dim, self.feature_dim
         norm2 = (x * x).sum(-1, keepdim=True)
         u = _per_head_linear(x, self.z) * D ** -0.25 - norm2 / (2 * math.sqrt(D))
-        return u + 0.5 * like(self.log_a, x)[:, None, :] - 0.5 * math.log(M)
+        return u + 0.5 * self.log_a.to(x.dtype)[:, None, :] - 0.5 * math.log(M)
 
 FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureMap,
                 'performer': PerformerFeatureMap, 'cosformer': CosformerFeatureMap,

@@ -75,7 +75,7 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     has_w, has_l = den_w > 0, den_l > 0
     den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
     y_w, y_l = num_w / den_w[..., None], num_l / den_l[..., None]      # each part normalised
-    f = A.like(factor, den_w).view(-1, *([1] * (den_w.dim() - 2)))     # (H, 1..) against (B, H, ..)
+    f = factor.to(den_w.dtype).view(-1, *([1] * (den_w.dim() - 2)))   # (H, 1..) against (B, H, ..)
     if combine == 'joint':
         p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log())
     else:
@@ -255,12 +255,12 @@ class Slots:
     sinks: int = 0                    # the first slots that hold the sinks (a window's)
 
     @staticmethod
-    def empty(k, v, L, phi=None, c=None):
+    def empty(k, v, L, phi=None, c=None, sinks=0):
         """L empty slots for pairs shaped like k, v (B, H_kv, ., D) (and phi, c)."""
         def zeros(x):
             return None if x is None else x.new_zeros(*x.shape[:2], L, *x.shape[3:])
         pos = torch.full((L,), -1, dtype=torch.long, device=k.device)
-        return Slots(zeros(k), zeros(v), pos, zeros(phi), zeros(c))
+        return Slots(zeros(k), zeros(v), pos, zeros(phi), zeros(c), sinks=sinks)
 
     def write(self, n, n_new, slot, position, k, v, phi=None, c=None):
         """The slots with pairs k, v (B, H_kv, m, D) (and phi, c) written at `slot` ((m,) long, on
@@ -640,15 +640,13 @@ class Attention(nn.Module):
         W, N = self.window, min(self.spec.sinks, T)
         k1, v1 = k[:, ::g], v[:, ::g]                                      # (B, H_kv, T, D)
         c_kept = c_k if self.shifted else None   # shifts, if any
-        slots = Slots.empty(k1, v1, self.spec.sinks + W, phi_k, c_kept)
-        slots = replace(slots, sinks=self.spec.sinks)
+        slots = Slots.empty(k1, v1, self.spec.sinks + W, phi_k, c_kept, sinks=self.spec.sinks)
         sinks = torch.arange(N, device=k.device)
         recent = torch.arange(max(T - W, 0), T, device=k.device)           # the ring's tokens
         marker = recent.where(recent >= self.spec.sinks, -1)               # a sink: attended as one
         for p, slot, mark in ((sinks, sinks, sinks), (recent, self.spec.sinks + recent % W, marker)):
-            phi_p = None if phi_k is None else phi_k[:, :, p]
-            c_p = None if c_kept is None else c_kept[:, :, p]
-            slots = slots.write(slots.owner[0], T, slot, mark, k1[:, :, p], v1[:, :, p], phi_p, c_p)
+            pairs = (None if x is None else x[:, :, p] for x in (k1, v1, phi_k, c_kept))
+            slots = slots.write(slots.owner[0], T, slot, mark, *pairs)
         linear = None
         if phi_k is not None:   # tokens sinks..T-W have left the window: folded
             fold = slice(self.spec.sinks, max(T - W + 1, self.spec.sinks))
