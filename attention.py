@@ -492,15 +492,13 @@ class AttnSpec:
         """{setting: its type}: the fields between the name and the map's options."""
         return {f.name: f.type for f in fields(cls) if f.name not in ('name', 'options')}
 
-    def option_types(self):
-        return get_type_hints(FEATURE_MAPS[self.name].__init__) if self.name in FEATURE_MAPS else {}
-
     def __post_init__(self):
         object.__setattr__(self, 'options', tuple(sorted(dict(self.options).items())))
         _choose('attention', self.name, ATTN_CHOICES)
         _choose('window combine', self.combine, WINDOW_COMBINES)
         _choose('impl', self.impl, IMPLS)
-        types, known = {**self.settings(), **self.option_types()}, self.option_types()
+        known = get_type_hints(FEATURE_MAPS[self.name].__init__) if self.name in FEATURE_MAPS else {}
+        types = {**self.settings(), **known}   # the settings' and the map's options' types
         wrong = [f"{key}={value!r} is not {getattr(types[key], '__name__', types[key])}" for key, value in
                  [(key, getattr(self, key)) for key in self.settings()] + list(self.options)
                  if key in types and not _fits(value, types[key])]

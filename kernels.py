@@ -100,11 +100,10 @@ MAX_FEATURE_DIM, MAX_HEAD_DIM = 256, 128  # the sizes tests/test_kernels_compile
 def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=None,
                                       return_state=False, c_k=None):
     """The definition, quadratic in T: A_ts = phi_q_t . phi_k_s exp(c_s - m_t) (s <= t),
-    y = (A v + q S_0 exp(m_0 - m_t)) / (rowsum(A) + q . z_0 exp(m_0 - m_t) + eps). c_k (B, H, T): the
-    keys' shifts, the exact features being phi_k exp(c_k) (None: 0); m_t = max(m_0, c_1..c_t), the
-    units exp(-m_t) row t is computed in. initial_state (S_0, z_0[, m_0]) (B, H, F, D), (B, H, F)
-    [, (B, H)] in units exp(-m_0); m_0 = 0 when it has no m_0, and without an initial state
-    S_0 = z_0 = 0 and m_0 = NO_KEY (-1e30, no key yet: m_t is the largest c_s, s <= t). Where the
+    y = (A v + q S_0 exp(m_0 - m_t)) / (rowsum(A) + q . z_0 exp(m_0 - m_t) + eps); the key shifts
+    c_k (B, H, T) (None: 0) and m_t as above. initial_state (S_0, z_0[, m_0]) (B, H, F, D),
+    (B, H, F) [, (B, H)] in units exp(-m_0); m_0 = 0 when it has no m_0, and without an initial
+    state S_0 = z_0 = 0 and m_0 = NO_KEY (no key yet: m_t is the largest c_s, s <= t). Where the
     denominator is 0 or less, y is the numerator undivided: 0 for a query whose features are all 0.
     Computes in at least fp32 (float64 stays float64); y in v.dtype; return_state: also the final
     state (S, z, m = m_T), S_0, z_0 and all T keys summed in units exp(-m), in the compute dtype;
