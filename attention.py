@@ -497,7 +497,7 @@ class AttnSpec:
         _choose('attention', self.name, ATTN_CHOICES)
         _choose('window combine', self.combine, WINDOW_COMBINES)
         _choose('impl', self.impl, IMPLS)
-        known = get_type_hints(FEATURE_MAPS[self.name].__init__) if self.name in FEATURE_MAPS else {}
+        known = get_type_hints(FEATURE_MAPS[self.name].__init__) if self.name != 'softmax' else {}
         types = {**self.settings(), **known}   # the settings' and the map's options' types
         wrong = [f"{key}={value!r} is not {getattr(types[key], '__name__', types[key])}" for key, value in
                  [(key, getattr(self, key)) for key in self.settings()] + list(self.options)

@@ -503,8 +503,8 @@ class Attention(nn.Module):
         e, r = self.exact_idx, self.rest_idx
         qe, ke, ve = (x.index_select(1, e) for x in (q, k, v))
         qr, kr, vr = (x.index_select(1, r) for x in (q, k, v))
-        ye, se = (self._softmax_parallel(qe, ke, ve, key_padding_mask, return_state) if state is None
-                  else self._softmax_decode(qe, ke, ve, state.exact))
+        ye, se = (self._softmax_decode(qe, ke, ve, state.exact) if state is not None else
+                  self._softmax_parallel(qe, ke, ve, key_padding_mask, return_state))
         yr, sr = self._run(qr, kr, vr, state and state.rest, return_state, key_padding_mask)
         y = torch.cat([ye.to(yr.dtype), yr], 1).index_select(1, self.order_idx)   # head order
         return (y, SplitState(se, sr)) if return_state else y

@@ -526,13 +526,13 @@ class CausalLinearAttention(torch.autograd.Function):
             launches = _launches(B * H, T, F, D, chunk, cfg)
             states, zs = _chunk_states(q, T, F, D, chunk, cfg)
             dstates, dzs = _chunk_states(q, T, F, D, chunk, cfg)
-            dq, dk, dv = (q.new_empty(B * H, T, n, dtype=dt) for n, dt in zip((F, F, D), ctx.dtypes))
+            dq, dk, dv = (torch.empty_like(x, dtype=dt) for x, dt in zip((q, k, vv), ctx.dtypes))
             dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)   # fp32
             _launch(launches, 'fwd state', k, vv, c, m, m0, states, zs, S0, z0, None, None, T, F, D)
             _launch(launches, 'bwd dstate', q, dy, m, m0, rden, delta, dstates, dzs, dS_end, dz_end,
                     dS0, dz0, T, F, D)
-            _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m, m0,
-                    dq, dk, T, F, D)
+            _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m,
+                    m0, dq, dk, T, F, D)
             _launch(launches, 'bwd dv', q, k, dy, rden, dstates, c, m, m0, dv, T, F, D)
         grads = [g.reshape(B, H, T, -1) for g in (dq, dk, dv)]
         if need_dinit:
