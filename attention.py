@@ -44,6 +44,12 @@ def acc(x):
     """x in the accumulation dtype: float32, or float64 when given float64 (the float64 checks)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
+def apply_rope(x, cos, sin):
+    """RoPE (HF Llama's rotate_half layout): x (B, H, T, D) rotated by angles whose cos, sin are
+    (T, D); with -sin, rotated back."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
 def _choose(what, value, choices):
     if value not in choices:
         raise UsageError(f"unknown {what} {value!r}; choose one of: {', '.join(map(str, choices))}")
@@ -485,6 +491,8 @@ class AttnSpec:
     exact: str = ''           # KV heads kept exact softmax, with a KV cache of their own, e.g. 0+2
     decay: int = 0            # > 0: the linear state decays, S_t = lambda S_t-1 + phi(k_t) v_t^T, a
                               # learned lambda per head starting at a half-life of this many tokens
+    nope: int = 0             # 1: the linear part's maps see q, k with RoPE undone (issue 41; LoLCATs
+                              # maps the rotated ones): its weights then do not depend on the position
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -514,6 +522,8 @@ class AttnSpec:
                          (self.cache_block < 1, "cache_block must be >= 1"),
                          (self.decay < 0 or (self.decay and self.name == 'softmax'),
                           "decay (>= 0) is the linear state's: a feature map's"),
+                         (self.nope not in (0, 1) or (self.nope and self.name == 'softmax'),
+                          "nope (0 or 1) is the linear part's: a feature map's"),
                          (self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact),
                           "exact takes KV head indices joined by +, e.g. exact=0+2"),
                          (self.impl == 'triton' and self.window, "the window hybrid has no triton path"),

@@ -439,7 +439,8 @@ class Attention(nn.Module):
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
 
-    def __init__(self, spec, head_dim, n_heads, causal=True, kv_groups=1, max_len=None):
+    def __init__(self, spec, head_dim, n_heads, causal=True, kv_groups=1, max_len=None,
+                 rope_inv_freq=None):
         super().__init__()
         self.spec = spec = A.AttnSpec.parse(spec)
         if kv_groups < 1 or n_heads % kv_groups:
@@ -472,6 +473,9 @@ class Attention(nn.Module):
             self.mode = 'softmax'
         else:
             self.mode = 'window' if spec.window else 'diag' if spec.diag_block else 'linear'
+        if spec.nope and rope_inv_freq is None:
+            raise UsageError(f"attention spec '{spec}': nope undoes RoPE, and this model has none")
+        self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would cast
         if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
             rate = math.log(math.log(2) / spec.decay)
             self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),), rate))
@@ -550,12 +554,18 @@ class Attention(nn.Module):
         tensor, in steps) or offset. None x 4 without a linear part."""
         if self.fmap is None:
             return None, None, None, None
+        if self.spec.nope or self.spec.decay:   # the positions, (T,)
+            t = torch.arange(q.shape[2], device=q.device) + (offset if pos is None else pos)
+        if self.spec.nope:   # q_t, k_t rotated back to position 0
+            if self.inv_freq.device != q.device:   # once per device, before any graph capture
+                self.inv_freq = self.inv_freq.to(q.device)
+            angle = (t[:, None] * self.inv_freq).repeat(1, 2)                # (T, D)
+            q, k = (A.apply_rope(x, angle.cos(), -angle.sin()) for x in (q, k))
         phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset)
         if key_padding_mask is not None:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         if self.spec.decay:
-            t = torch.arange(q.shape[2], device=q.device) + (offset if pos is None else pos)
             gt = torch.exp(self.decay_rate)[:, None] * t                      # (H, T)
             c_q, c_k = c_q - gt, c_k + gt
         return phi_q, phi_k, c_q, c_k

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import tokenizer as tokenizer_lib
-from attention import AttnSpec, UsageError
+from attention import AttnSpec, UsageError, apply_rope
 from hybrids import Attention, copy_state_, state_nbytes, static_state
 
 FAMILIES = ('gpt2', 'llama', 'bert')
@@ -111,11 +111,6 @@ def rope_inv_freq(head_dim, theta, scaling=None):
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
-def apply_rope(x, cos, sin):
-    # x (B, nh, T, hs); cos, sin (T, hs) -- HF Llama rotate_half convention
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
-
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution): y_t = sum_i
     w_i x_{t-i} per channel, i < K = kernel_size, zeros before the first token, w_i = weight[:, K-1-i] (F.conv1d's
@@ -193,8 +188,11 @@ class SelfAttention(nn.Module):
 
 def make_core(config, spec):
     """The attention core of one layer for `spec` (an AttnSpec or its string); cosformer's M = block_size."""
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling) \
+        if config.family == 'llama' else None
     return Attention(spec, config.head_dim, config.n_head, causal=config.family != 'bert',
-                     kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size)
+                     kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size,
+                     rope_inv_freq=inv_freq)
 
 class MLP(nn.Module):
     """GELU MLP (gpt2: tanh approximation, bert: exact) or SwiGLU (llama)."""
@@ -527,8 +525,8 @@ def load(path, **overrides):
     not) or hub name (needs internet), or a llama.cpp .gguf file (dequantised to float32).
     `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...). Only new
     attention parameters may be absent; when `attn` changes the map of a layer of our checkpoint, its trained
-    core is re-initialised (with a message); a change of `impl`, `sinks`, `cache` or `decay` alone keeps it (a decay
-    added at load starts at its half-life). model.tokenizer is the checkpoint's own (or None). extra: what
+    core is re-initialised (with a message); a change of `impl`, `sinks`, `cache`, `decay` or `nope` alone keeps
+    it (a decay added at load starts at its half-life). model.tokenizer is the checkpoint's own (or None). extra: what
     save(**extra) stored, and 'base' (a conversion's starting model)."""
     names = [f.name for f in fields(GPTConfig)]
     bad = sorted(set(overrides) - set(names))
@@ -633,7 +631,7 @@ def _load_ours(path, overrides, as_base):
     else:
         model = build(GPTConfig(**want))
     spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)), impl='chunked', sinks=0, cache=0,
-                                  decay=0)
+                                  decay=0, nope=0)
     changed = [i for i in range(saved.n_layer) if spec(saved, i) != spec(model.config, i)]
     if changed and not as_base:
         print(f"{path}: attention of layers {changed} changed to {overrides.get('attn')}: their cores are "

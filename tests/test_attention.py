@@ -970,3 +970,36 @@ def test_decay_in_the_hybrids_decodes_as_it_runs_in_parallel(spec):
         yt, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
         outs.append(yt)
     assert rel_err(torch.cat(outs, 2), y[:, :, 11:]) < 1e-5
+
+
+def _rope(x, start, inv_freq):
+    """x (B, H, T, D) rotated by RoPE at positions start..start+T-1, written from its definition: each pair
+    (x_i, x_(i + D/2)) turned by the angle t * inv_freq_i."""
+    angle = (torch.arange(start, start + x.shape[2]).double()[:, None] * inv_freq.double())   # (T, D/2)
+    x1, x2 = x.double().chunk(2, -1)
+    cos, sin = angle.cos(), angle.sin()
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).float()
+
+
+@pytest.mark.parametrize('impl', PATHS)
+def test_nope_maps_see_q_and_k_before_rope(impl):
+    """Issue 41: with nope=1 the linear part's maps get q and k with RoPE undone. On q, k rotated at positions from
+    any start, the core equals the same core without nope on the unrotated q, k (its weights, hence, do not depend on
+    the position), a prefill and its decode steps included."""
+    q, k, v = qkv(T=29)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    core = Hy.Attention(f'hedgehog:nope=1:impl={impl}', D, H, rope_inv_freq=inv_freq)
+    plain = Hy.Attention(f'hedgehog:impl={impl}', D, H)
+    plain.load_state_dict(core.state_dict())
+    want = plain(q, k, v)
+    for start in (0, 3000):
+        qr, kr = _rope(q, start, inv_freq), _rope(k, start, inv_freq)
+        _, st = core(qr[:, :, :1], kr[:, :, :1], v[:, :, :1], return_state=True)
+        st = dataclasses.replace(st, n=start, pos=None)   # a state of `start` tokens with these pairs only
+        y, st = core(qr, kr, v, state=dataclasses.replace(st, S=st.S * 0, z=st.z * 0), return_state=True)
+        assert rel_err(y, want) < 1e-5
+    with pytest.raises(A.UsageError, match='nope undoes RoPE'):
+        Hy.Attention('hedgehog:nope=1', D, H)
+    for bad in ('hedgehog:nope=2', 'softmax:nope=1'):
+        with pytest.raises(A.UsageError, match='nope'):
+            A.AttnSpec.parse(bad)

@@ -300,7 +300,7 @@ def test_set_attention_and_optimizer():
 
 GEN_CASES = [('gpt2', 'softmax'), ('gpt2', 'elu'), ('gpt2', 'hedgehog'), ('llama', 'softmax'),
              ('llama', 'hedgehog:feature_dim=8'), ('llama', 'elu:window=4'), ('gpt2', 'hedgehog:window=4'),
-             ('llama', 'lolcats:diag_block=4')]
+             ('llama', 'lolcats:diag_block=4'), ('llama', 'hedgehog:window=4:nope=1')]
 
 
 @pytest.mark.parametrize('family,attn', GEN_CASES)
@@ -479,6 +479,8 @@ def test_converted_checkpoint_holds_only_new_tensors_and_is_strict(tmp_path):
     assert all(torch.equal(own[k], v) for k, v in saved['model'].items())
     rates = [t for k, t in own.items() if k.endswith('.decay_rate')]
     assert len(rates) == 2 and all(torch.allclose(r.exp(), torch.full_like(r, math.log(2) / 16)) for r in rates)
+    unroped = M.load(str(out.parent), attn='hedgehog:window=4:feature_dim=8:nope=1')[0].state_dict()
+    assert all(torch.equal(unroped[k], v) for k, v in saved['model'].items())   # nope at load: maps kept too
     # strict: unexpected names (e.g. LoRA weights of a layer the config has none on)
     bad = dict(saved, model={**saved['model'], 'transformer.h.0.attn.q_proj.lora_A': torch.zeros(2, 32)})
     torch.save(bad, tmp_path / 'bad.pt')
@@ -653,7 +655,8 @@ def test_attn_override_on_a_partial_conversion_keeps_its_softmax_layers(tmp_path
 
 STEP_SPECS = ['softmax', 'hedgehog', 'performer', 'lolcats:window=4', 'lolcats:window=4:sinks=2',
               'lolcats:window=4:exact=0', 'exp:window=3:combine=mix', 'lln:diag_block=3', 'softmax:window=4:sinks=1',
-              'hedgehog:decay=4', 'lolcats:window=4:decay=4', 'lln:diag_block=3:decay=4']
+              'hedgehog:decay=4', 'lolcats:window=4:decay=4', 'lln:diag_block=3:decay=4',
+              'lolcats:window=4:nope=1']
 
 
 @pytest.mark.parametrize('spec', STEP_SPECS)
