@@ -568,7 +568,7 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
     if initial_state is None:   # no state: no key yet
-        S0, z0, m0 = None, None, phi_q.new_full(phi_q.shape[:2], NO_KEY)
+        S0, z0, m0 = None, None, phi_q.new_full(phi_q.shape[:2], NO_KEY, dtype=torch.float32)
     else:
         S0, z0 = initial_state[:2]
         m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(phi_q.shape[:2])

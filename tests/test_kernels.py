@@ -186,8 +186,9 @@ def test_grids_fill_an_h100():
 
 @needs_kernel
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_half_precision_inputs(dtype):
-    check((1, 2, 37, 32, 16), dtype, init=True, with_state=True)
+@pytest.mark.parametrize('init', [True, False])   # without a state m_0 = NO_KEY, beyond float16's range
+def test_half_precision_inputs(dtype, init):
+    check((1, 2, 37, 32, 16), dtype, init=init, with_state=True)
 
 
 @needs_kernel
