@@ -76,8 +76,7 @@ def causal_mask(T_q, T_k, device=None):
     return torch.arange(T_k, device=device) <= query_positions
 
 def softmax_weights(q, k, causal=True, attn_mask=None):
-    """The (B, H, T, T) matrix of softmax attention, float32: its output for the identity matrix as
-    values."""
+    """The (B, H, T, T) matrix of softmax attention, float32: its output for identity values."""
     eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
     return softmax_attention(q.float(), k.float(), eye, causal, attn_mask)
 
@@ -136,10 +135,8 @@ def _per_head_linear(x, weight, bias=None):
     *lead, H, T, D = x.shape
     rows = x.movedim(-3, 0).reshape(H, -1, D)                         # (H, N, D)
     weight = weight.to(x.dtype).mT                                   # (H, D, F)
-    if bias is None:
-        y = torch.bmm(rows, weight)
-    else:
-        y = torch.baddbmm(bias.to(x.dtype)[:, None], rows, weight)    # (H, N, F)
+    y = torch.bmm(rows, weight) if bias is None else \
+        torch.baddbmm(bias.to(x.dtype)[:, None], rows, weight)        # (H, N, F)
     return y.view(H, *lead, T, -1).movedim(0, -3)
 
 class EluFeatureMap(FeatureMap):
@@ -635,8 +632,7 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     phi_k exp(c_k), and row t comes in units of exp(-m_t), m_t the largest c_s of the keys it sees
     (a running max, as online softmax: every factor exp(c_s - m_t) <= 1, so no key overflows, and a
     row that sees only small keys keeps them). Returns num, den, m (B, H, T) and the final state
-    (S, z, m), float32. One function per form: _quadratic, _recurrent, _chunked; bidirectional
-    rows all read the final state."""
+    (S, z, m), float32; bidirectional rows all read the final state."""
     q, k = acc(phi_q), acc(phi_k)
     v1 = nnf.pad(acc(v), (0, 1), value=1.0)                          # [v | 1] (B, H, T, D + 1)
     B, H, T, F = q.shape

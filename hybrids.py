@@ -76,10 +76,8 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
     y_w, y_l = num_w / den_w[..., None], num_l / den_l[..., None]      # each part normalised
     f = factor.to(den_w.dtype).view(-1, *([1] * (den_w.dim() - 2)))   # (H, 1..) against (B, H, ..)
-    if combine == 'joint':
-        p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log())
-    else:
-        p = f.expand_as(den_w)
+    p = torch.sigmoid(f.log() + den_w.log() - c - den_l.log()) if combine == 'joint' else \
+        f.expand_as(den_w)
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)
     return y_l + p[..., None] * (y_w - y_l), p
 
@@ -127,9 +125,8 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     attention on the softmax part (combine_window_linear)."""
     B, _, T, _ = q.shape
     n_sinks = min(spec.sinks, T)
-    keys = key_padding_mask
-    if keys is None:
-        keys = torch.ones(B, T, dtype=torch.bool, device=q.device)
+    keys = key_padding_mask if key_padding_mask is not None else \
+        torch.ones(B, T, dtype=torch.bool, device=q.device)
     num_w, den_w, m_w = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
         return _divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
@@ -427,14 +424,13 @@ def lola_select(state, cand, n_keep, kv_groups):
 # ---- 4. the attention core of one layer -------------------------------------------
 class Attention(nn.Module):
     """The attention of one layer, chosen by an AttnSpec (or its string); owns the feature map and
-    the window factors. q (B, H, T, D), k, v come from the model's projections after RoPE, k and v
-    repeated to H heads (the maps are per query head); kv_groups = H / H_kv. max_len: cosformer's M
-    unless the spec sets it (the model's block_size). The mode is fixed here: softmax (exact, or
-    with spec window: sliding-window softmax alone, 'window'), linear, window (the sliding-window
-    hybrid, LoLA's cache), diag (LLN+Diag). Exact heads (spec exact=): the query heads of those KV
-    heads run exact softmax with a KV cache of their own, the others the mode, with maps of their
-    own (SplitState); every KV head exact is a softmax layer. share: after a window forward, each
-    row's share of attention on the softmax part (B, H_rest, T), detached.
+    the window factors, one map per query head (q, k, v and kv_groups: see the module docstring).
+    max_len: cosformer's M unless the spec sets it (the model's block_size). The mode is fixed here:
+    softmax (exact, or with spec window: sliding-window softmax alone, 'window'), linear, window
+    (the sliding-window hybrid, LoLA's cache), diag (LLN+Diag). Exact heads (spec exact=): the query
+    heads of those KV heads run exact softmax with a KV cache of their own, the others the mode,
+    with maps of their own (SplitState); every KV head exact is a softmax layer. share: after a
+    window forward, each row's share of attention on the softmax part (B, H_rest, T), detached.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
@@ -528,22 +524,17 @@ class Attention(nn.Module):
             elif state is None:
                 parallel = self._window_parallel if self.mode == 'window' else self._diag_parallel
                 y, state = parallel(q, k, v32, key_padding_mask, return_state)
-            else:
+            else:   # tokens after a state, one step each
                 step = self._window_step if self.mode == 'window' else self._diag_step
-                y, state = self._steps(step, q, k, v32, state)
+                ys = []
+                for t in range(q.shape[2]):
+                    y, state = step(q[:, :, t:t + 1], k[:, :, t:t + 1], v32[:, :, t:t + 1], state)
+                    ys.append(y)
+                y = ys[0] if len(ys) == 1 else torch.cat(ys, 2)
         return y.to(v.dtype), state   # y in v's dtype
 
-    def _steps(self, step, q, k, v, state):
-        """Tokens after a state, one step each: (y (B, H, T, D), the state after them)."""
-        ys = []
-        for t in range(q.shape[2]):
-            y, state = step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
-            ys.append(y)
-        return (ys[0] if len(ys) == 1 else torch.cat(ys, 2)), state
-
     def weights(self, q, k, key_padding_mask=None):
-        """The (B, H, T, T) matrix this core applies, float32: its output for the identity matrix as
-        values."""
+        """The (B, H, T, T) matrix this core applies, float32: its output for identity values."""
         eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
         return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
@@ -709,17 +700,14 @@ class Attention(nn.Module):
         return st.linear.add(phi, v, c)
 
     # -- LoLA's sparse cache (spec cache=): its schedule in segments, prefill and decode alike
-    def _lola_empty(self, q, v):
-        (B, H, _, D), Dv, g = q.shape, v.shape[-1], self.kv_groups
-        none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
-        F = self.fmap.feature_dim
-        with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
-        return LolaState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q))
-
     def _lola(self, q, k, v, state):
         """Tokens after a state (or from the start) in segments within which the linear part is
         fixed: each ends where a block of cache_block pairs leaves the softmax part (the update)."""
-        state = state or self._lola_empty(q, v)
+        if state is None:   # from the start: no pairs, an empty linear state
+            (B, H, _, D), Dv, g, F = q.shape, v.shape[-1], self.kv_groups, self.fmap.feature_dim
+            none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
+            with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
+            state = LolaState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q))
         C, T = self.spec.cache_block, q.shape[2]
         ys, shares, t = [], [], 0
         while t < T:
