@@ -250,8 +250,8 @@ def transfer_loss(core, q, k, v, mask, weights):
     if weights.get('mse'):
         loss = loss + weights['mse'] * _row_mean((core(q, k, v, **kw) - y_t).square().mean(-1), mask)
     if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS)
-        phi_q, phi_k, c_q, c_k = core.fmap.features(q, k)   # the exact features (shifts undone): the kernel is
-        phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]   # unnormalised
+        phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))   # the kernel, unnormalised:
+        phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]   # shifts undone
         if mask is not None:
             phi_k = phi_k * mask[:, None, :, None]
         loss = loss + weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)

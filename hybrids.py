@@ -545,14 +545,10 @@ class Attention(nn.Module):
         tensor, in steps) or offset. None x 4 without a linear part."""
         if self.fmap is None:
             return None, None, None, None
+        t = None
         if self.spec.nope or self.spec.decay:   # the positions, (T,)
             t = torch.arange(q.shape[2], device=q.device) + (offset if pos is None else pos)
-        if self.spec.nope:   # q_t, k_t rotated back to position 0
-            if self.inv_freq.device != q.device:   # once per device, before any graph capture
-                self.inv_freq = self.inv_freq.to(q.device)
-            angle = (t[:, None] * self.inv_freq).repeat(1, 2)                # (T, D)
-            q, k = (A.apply_rope(x, angle.cos(), -angle.sin()) for x in (q, k))
-        phi_q, phi_k, c_q, c_k = self.fmap.features(q, k, offset)
+        phi_q, phi_k, c_q, c_k = self.fmap.features(*self.map_inputs(q, k, t), offset)
         if key_padding_mask is not None:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
@@ -560,6 +556,17 @@ class Attention(nn.Module):
             gt = torch.exp(self.decay_rate)[:, None] * t                      # (H, T)
             c_q, c_k = c_q - gt, c_k + gt
         return phi_q, phi_k, c_q, c_k
+
+    def map_inputs(self, q, k, t=None):
+        """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position 0
+        from positions t (T,), by default 0..T-1; as given otherwise."""
+        if not self.spec.nope:
+            return q, k
+        if self.inv_freq.device != q.device:   # once per device, before any graph capture
+            self.inv_freq = self.inv_freq.to(q.device)
+        t = torch.arange(q.shape[2], device=q.device) if t is None else t
+        angle = (t[:, None] * self.inv_freq).repeat(1, 2)                    # (T, D)
+        return tuple(A.apply_rope(x, angle.cos(), -angle.sin()) for x in (q, k))
 
     @property
     def shifted(self):
@@ -766,7 +773,8 @@ class Attention(nn.Module):
         B, H, T, _ = q.shape
         real = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
         if hasattr(self.fmap, 'calibrate'):
-            self.fmap.calibrate(*(x.transpose(1, 2)[real.bool()].transpose(0, 1)[None] for x in (q, k)))  # (1, H, N, D)
+            seen = self.map_inputs(q, k)   # (B, H, T, D) each -> the real tokens, (1, H, N, D)
+            self.fmap.calibrate(*(x.transpose(1, 2)[real.bool()].transpose(0, 1)[None] for x in seen))
         if self.window and self.fmap is not None and self.spec.combine == 'mix':
             j = torch.arange(T, device=q.device)
             seen = A.causal_mask(T, T, q.device) if self.causal else torch.ones(T, T, dtype=torch.bool, device=q.device)

@@ -1000,6 +1000,20 @@ def test_nope_maps_see_q_and_k_before_rope(impl):
         assert rel_err(y, want) < 1e-5
     with pytest.raises(A.UsageError, match='nope undoes RoPE'):
         Hy.Attention('hedgehog:nope=1', D, H)
+
+
+def test_nope_calibration_sees_q_and_k_before_rope():
+    """LLN's moments under nope=1 are those of the q, k its maps see: calibrated on rotated q, k, equal to a core
+    without nope calibrated on the unrotated ones (q and k with a mean, which a rotation moves between coordinates)."""
+    q, k, _ = qkv(T=29)
+    q, k = q + torch.linspace(-2, 2, D), k + 1.5
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    core = Hy.Attention('lln:nope=1', D, H, rope_inv_freq=inv_freq)
+    plain = Hy.Attention('lln', D, H)
+    core.calibrate(_rope(q, 0, inv_freq), _rope(k, 0, inv_freq))
+    plain.calibrate(q, k)
+    for name in ('sigma2_q', 'sigma2_k'):
+        assert rel_err(getattr(core.fmap, name), getattr(plain.fmap, name)) < 1e-5
     for bad in ('hedgehog:nope=2', 'softmax:nope=1'):
         with pytest.raises(A.UsageError, match='nope'):
             A.AttnSpec.parse(bad)

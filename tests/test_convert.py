@@ -381,25 +381,34 @@ def test_every_stage1_loss_runs_and_lowers_itself(name, ckpts, text_file, tmp_pa
         assert st['loss_last'] < st['loss_first'], (name, loss, st['loss_first'], st['loss_last'])
 
 
-def test_l2_loss_is_dofs_kernel_loss_in_float64():
+@pytest.mark.parametrize('nope', [0, 1])
+def test_l2_loss_is_dofs_kernel_loss_in_float64(nope):
     """DoF's kernel L2 on a hand-sized case, against float64 written from DoF Eq. 8: phi(x)_m = sqrt(a_m / M)
     exp(z_m.x / D^1/4 - |x|^2 / (2 sqrt D)), unnormalised phi(q).phi(k) against exp(q.k / sqrt D), causal pairs.
-    The keys are large, so the features carry shifts that the loss must undo."""
+    The keys are large, so the features carry shifts that the loss must undo. With nope=1 the teacher's q, k are
+    rotated by RoPE (at positions 0-2, written out here) and the maps must see them unrotated."""
     torch.manual_seed(0)
     D, M_ = 4, 3
-    core = Hy.Attention('dof:feature_dim=3', D, 1)
+    inv_freq = torch.tensor([1.0, 0.01])
+    core = Hy.Attention(f'dof:feature_dim=3:nope={nope}', D, 1, rope_inv_freq=inv_freq)
     with torch.no_grad():
         core.fmap.z.copy_(torch.tensor([[[1., 0, 0, 0], [0, 1, 0, 0], [.5, .5, -.5, .5]]]))
         core.fmap.log_a.copy_(torch.tensor([[0.2, -0.3, 0.1]]))
     q = torch.tensor([[[[0.5, -1., 0., 1.], [1., 1., 0., 0.], [0., 0.5, 0.5, 0.]]]])
     k = torch.tensor([[[[3., 1., 0., 2.], [-2., 0., 1., 1.], [4., 4., -1., 0.]]]])
-    loss = C.transfer_loss(core, q, k, torch.randn(1, 1, 3, D), None, {"l2": 1.0}).detach()
+    angle = torch.arange(3.0)[:, None] * inv_freq * nope   # (T, D/2): RoPE's, (x_i, x_(i + D/2)) turned
+
+    def rope(x):
+        x1, x2 = x.double().chunk(2, -1)
+        return torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()), -1)
+    qr, kr = rope(q), rope(k)   # what the teacher's layer computes with
+    loss = C.transfer_loss(core, qr.float(), kr.float(), torch.randn(1, 1, 3, D), None, {"l2": 1.0}).detach()
     z, a = core.fmap.z.detach()[0].double(), core.fmap.log_a.detach()[0].double().exp()
 
     def phi(x):   # (T, D) -> (T, M)
         return (a / M_).sqrt() * torch.exp(x @ z.T / D ** 0.25 - (x * x).sum(-1, keepdim=True) / (2 * D ** 0.5))
     qd, kd = q[0, 0].double(), k[0, 0].double()
-    err = (phi(qd) @ phi(kd).T - torch.exp(qd @ kd.T / D ** 0.5)) ** 2
+    err = (phi(qd) @ phi(kd).T - torch.exp(qr[0, 0] @ kr[0, 0].T / D ** 0.5)) ** 2
     ref = err[torch.tril(torch.ones(3, 3, dtype=torch.bool))].mean()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
 
