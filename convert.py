@@ -222,12 +222,12 @@ def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
     return '\n'.join(lines)
 
 # ---- stage 1: the attention-transfer loss of one layer, on its teacher's q, k, v ----
-def _teacher(core, q, k, v, mask):
-    """The teacher's softmax weights (B, H, T, T) and outputs of this layer (padded keys masked)."""
+def _teacher(core, q, k, v, mask, weights=True):
+    """The teacher's softmax weights (B, H, T, T; a T x T x T product, None unless `weights`) and
+    outputs of this layer (padded keys masked)."""
     m = None if mask is None else mask.bool()[:, None, None, :]
-    eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)   # weights = output for values I
-    return A.softmax_attention(q.float(), k.float(), eye, core.causal, attn_mask=m), \
-        A.softmax_attention(q, k, v, core.causal, attn_mask=m)
+    w = A.softmax_weights(q, k, core.causal, attn_mask=m) if weights else None
+    return w, A.softmax_attention(q, k, v, core.causal, attn_mask=m)
 
 def _row_mean(x, mask):
     """Mean of per-row values (B, H, T) over the real (unpadded) query rows."""
@@ -242,7 +242,7 @@ def transfer_loss(core, q, k, v, mask, weights):
       mse squared error of the attention outputs (LoLCATs; through the core's own chunked path, never T x T),
       l2  squared error of the unnormalised kernel phi(q).phi(k) against exp(q.k/sqrt d) (DoF; T x T)."""
     kw = {} if mask is None else {'key_padding_mask': mask}
-    w_t, y_t = _teacher(core, q, k, v, mask)
+    w_t, y_t = _teacher(core, q, k, v, mask, weights=bool(weights.get('ce')))
     loss = 0.0
     if weights.get('ce'):
         ce = -(w_t * core.weights(q, k, **kw).clamp(min=1e-12).log()).sum(-1)    # (B, H, T)
