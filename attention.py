@@ -264,8 +264,7 @@ class HedgehogFeatureMap(FeatureMap):
         self._mlp(feature_dim, 'softmax' if softmax_dim else 'exp', torch.eye)
 
     def _mlp(self, feature_dim, activation, init):
-        """The per-head Linear(D, width), weight init(width, D); F = 2 width for [f(u), f(-u)], else
-        width."""
+        """Per-head Linear(D, width), weight init(width, D); F: width, doubled for [f(u), f(-u)]."""
         pm = activation in ('softmax', 'exp')
         self.activation, self.log_domain = activation, activation == 'exp'
         self.feature_dim = feature_dim or (2 if pm else 1) * self.head_dim
@@ -669,10 +668,8 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     num, den, _, state = parts
     den = den + eps
     y = (num / den.where(den > 0, 1.0)[..., None]).to(v.dtype)
-    if not return_state:
-        return y
     shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
-    return y, (state if shifted else state[:2])
+    return (y, state if shifted else state[:2]) if return_state else y
 
 def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
