@@ -398,8 +398,7 @@ class LolaState:
 
 @dataclass(frozen=True)
 class SplitState:
-    """Exact heads beside the rest (spec exact=): a KV cache for the exact KV heads, the rest's own
-    state."""
+    """Exact heads (spec exact=) beside the rest: their own KV cache, the rest's own state."""
     exact: KVCache
     rest: object
 
