@@ -66,8 +66,7 @@ def check_qk(q, k, head_dim, n_heads):
 def softmax_attention(q, k, v, causal=True, attn_mask=None):
     """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool
     (B, H, T_q, T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
-    causal = causal and attn_mask is None and q.shape[-2] > 1
-    gqa = k.shape[1] != q.shape[1]
+    causal, gqa = causal and attn_mask is None and q.shape[-2] > 1, k.shape[1] != q.shape[1]
     return nnf.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=gqa)
 
 def causal_mask(T_q, T_k, device=None):
@@ -158,8 +157,7 @@ class T2RFeatureMap(FeatureMap):
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None):
         super().__init__(head_dim, n_heads)
-        self.feature_dim = feature_dim or head_dim
-        bound = 1 / math.sqrt(head_dim)
+        self.feature_dim, bound = feature_dim or head_dim, 1 / math.sqrt(head_dim)
         weight = torch.empty(n_heads, self.feature_dim, head_dim).uniform_(-bound, bound)
         self.weight = nn.Parameter(weight)                                       # (H, F, D)
         self.bias = nn.Parameter(torch.empty(n_heads, self.feature_dim).uniform_(-bound, bound))
@@ -266,8 +264,7 @@ class HedgehogFeatureMap(FeatureMap):
         self._mlp(feature_dim, 'softmax' if softmax_dim else 'exp', torch.eye)
 
     def _mlp(self, feature_dim, activation, init):
-        """The per-head Linear(D, width), weight init(width, D); F = 2 width for [f(u), f(-u)], else
-        width."""
+        """Per-head Linear(D, width), weight init(width, D); F: width, doubled for [f(u), f(-u)]."""
         pm = activation in ('softmax', 'exp')
         self.activation, self.log_domain = activation, activation == 'exp'
         self.feature_dim = feature_dim or (2 if pm else 1) * self.head_dim
@@ -360,8 +357,7 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     return s2_grid, _interp(-h_sm, -h_lln, torch.tensor(xs, dtype=torch.float64))
 
 def _interp(x, xp, fp):
-    """Piecewise-linear interpolation of the points (xp, fp) at x, xp increasing; linear beyond both
-    ends."""
+    """Piecewise-linear interpolation of (xp, fp) at x, xp increasing; linear beyond the ends."""
     i = torch.searchsorted(xp, x).clamp(1, len(xp) - 1)
     return fp[i - 1] + (fp[i] - fp[i - 1]) * (x - xp[i - 1]) / (xp[i] - xp[i - 1])
 
@@ -414,8 +410,7 @@ class LLNFeatureMap(FeatureMap):
         return lln_alpha_beta(s2_q, s2_k, self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
-        temperature = self.alpha_beta()[which == 'k'].to(x.dtype)      # (H,) alpha or beta
-        return temperature[None, :, None, None] * x
+        return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha or beta
 
     def _sides(self, fn, q, k, offset):   # alpha q, beta k: the temperatures computed once
         alpha, beta = (t.to(q.dtype)[:, None, None] for t in self.alpha_beta())   # (H, 1, 1)
@@ -443,8 +438,7 @@ class DoFFeatureMap(FeatureMap):
         self.log_a = nn.Parameter(torch.zeros(n_heads, self.feature_dim))
 
     def log_phi(self, x, which, offset):
-        D, M = self.head_dim, self.feature_dim
-        norm2 = (x * x).sum(-1, keepdim=True)
+        D, M, norm2 = self.head_dim, self.feature_dim, (x * x).sum(-1, keepdim=True)
         u = _per_head_linear(x, self.z) * D ** -0.25 - norm2 / (2 * math.sqrt(D))
         return u + 0.5 * self.log_a.to(x.dtype)[:, None, :] - 0.5 * math.log(M)
 
@@ -590,8 +584,7 @@ def _recurrent(q, k, v1, c, m, Sz0, m0):
     """One token at a time, the state in row t's units:
         [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T
         out_t = phi_q_t [S | z]"""
-    outs = []
-    Sz, m_prev = Sz0, m0
+    outs, Sz, m_prev = [], Sz0, m0
     for t in range(q.shape[2]):
         k_t = k[:, :, t] * torch.exp(c[..., t] - m[..., t])[..., None]            # (B, H, F)
         decay = torch.exp(m_prev - m[..., t])[..., None, None]                    # (B, H, 1, 1)
@@ -604,8 +597,7 @@ def _chunked(q, k, v1, c, m, Sz0, m0, C):
     """Quadratic inside chunks of C tokens, the state carried from chunk to chunk: O(T F D / C)
     memory. The state before chunk j is in units of exp(-M_j-1), M_j = m at chunk j's last row."""
     B, H, T, _ = q.shape
-    n = math.ceil(T / C)
-    pad = n * C - T
+    n, pad = math.ceil(T / C), -T % C
 
     def chunks(x):   # (B, H, T, E) -> (B, H, n, C, E), zero-padded
         return nnf.pad(x, (0, 0, 0, pad)).view(B, H, n, C, x.shape[-1])
@@ -638,10 +630,8 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     B, H, T, F = q.shape
     c = q.new_zeros(B, H, T) if c_k is None else acc(c_k)
     Sz0, m0 = _start(initial_state, B, H, F, v.shape[-1], q)
-    if causal:   # (B, H, T): the running max
-        m = c.cummax(-1).values.maximum(m0[..., None])
-    else:        # every row sees every key
-        m = c.amax(-1, keepdim=True).expand_as(c).maximum(m0[..., None])
+    m = c.cummax(-1).values if causal else c.amax(-1, keepdim=True).expand_as(c)
+    m = m.maximum(m0[..., None])   # (B, H, T): the running max, or (bidirectional) every key's
     if impl == 'quadratic':
         out, Sz = _quadratic(q, k, v1, c, m, Sz0, m0, causal)
     elif not causal:
@@ -651,13 +641,7 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
         out, Sz = _recurrent(q, k, v1, c, m, Sz0, m0)
     else:
         out, Sz = _chunked(q, k, v1, c, m, Sz0, m0, chunk_size)
-    final = (Sz[..., :-1], Sz[..., -1], m[..., -1])   # the last column: the normaliser z
-    return out[..., :-1], out[..., -1], m, final
-
-def _kernel_fits(causal, v, F, D):
-    """The Triton kernel runs here: causal, CUDA tensors with triton (or the interpreter), F <= 256,
-    D <= 128 (CUDA without triton, as on Windows: not)."""
-    return causal and kernels.triton_available(v) and kernels.supports(F, D)
+    return out[..., :-1], out[..., -1], m, (Sz[..., :-1], Sz[..., -1], m[..., -1])   # [..., -1]: z
 
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chunk_size=64,
                      initial_state=None, return_state=False, c_k=None):
@@ -672,21 +656,20 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
         raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
     F, D = phi_q.shape[-1], v.shape[-1]
-    if impl == 'triton' and not _kernel_fits(causal, v, F, D):
+    fits = causal and kernels.triton_available(v) and kernels.supports(F, D)   # the kernel fits
+    if impl == 'triton' and not fits:
         raise UsageError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) "
                          f"and F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got "
                          f"causal={causal}, {v.device.type}, F={F}, D={D}: use impl='chunked'")
-    if impl == 'triton' or (impl == 'chunked' and v.is_cuda and _kernel_fits(causal, v, F, D)):
+    if impl == 'triton' or (impl == 'chunked' and v.is_cuda and fits):
         return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state,
                                                c_k=c_k)
     parts = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
     num, den, _, state = parts
     den = den + eps
     y = (num / den.where(den > 0, 1.0)[..., None]).to(v.dtype)
-    if not return_state:
-        return y
     shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
-    return y, (state if shifted else state[:2])
+    return (y, state if shifted else state[:2]) if return_state else y
 
 def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
@@ -717,8 +700,7 @@ def monotonicity(w, q, k, causal=True):
     (rows with fewer than 3 keys skipped), averaged per head. Returns (rho (B, H) float64, (scores,
     weights) of every visible pair, 1-D)."""
     s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
-    w, T = w.double(), w.shape[-1]
-    rhos = []
+    w, T, rhos = w.double(), w.shape[-1], []
     for i in range(2 if causal else 0, w.shape[-2]):
         rs, rw = (ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
         rs, rw = rs - rs.mean(-1, keepdim=True), rw - rw.mean(-1, keepdim=True)

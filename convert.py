@@ -148,9 +148,8 @@ def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256
               generator: torch.Generator | None = None) -> list[float]:
     """DoF of each head (Algorithm 1's loop over heads): J = n_samples points drawn without replacement from
     the head's 2M pooled queries and keys; q, k (H, M, D)."""
-    pool = torch.cat([q, k], 1)  # (H, 2M, D)
     return [degrees_of_freedom(exp_gram(x[torch.randperm(len(x), generator=generator)[:n_samples]]), lam)
-            for x in pool]
+            for x in torch.cat([q, k], 1)]   # x: a head's (2M, D) queries and keys
 
 def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1) -> list[int]:
     """Per-layer feature dimensions M_s = C dof_s / mean(dof) (Algorithm 1, last line; C = `budget`).
@@ -166,8 +165,7 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
         raise ValueError(f'min_dim must be >= 1, got {min_dim}')
     if clip is not None and clip < min_dim:
         raise ValueError(f'clip {clip} is below min_dim {min_dim}')
-    total = max(int(round(budget * L)), min_dim * L)
-    w = [d if d > 0 else 1e-12 for d in dofs]
+    total, w = max(int(round(budget * L)), min_dim * L), [d if d > 0 else 1e-12 for d in dofs]
     floored: set[int] = set()
     while True:  # layers whose share is below min_dim get min_dim; the others share the rest
         free = [i for i in range(L) if i not in floored]
@@ -462,8 +460,7 @@ def run(cfg):
     print("== teacher: " + ' | '.join(f"{k} {v:.4g}" for k, v in (summary['teacher'] or {}).items()
                                       if isinstance(v, float)), flush=True)
     if cfg.spec != A.AttnSpec():   # plain softmax: the control run, stage 2 on the teacher itself
-        qk = teacher_qk(model, calib, layers, rt)
-        summary.update(swap(model, cfg, layers, qk))
+        summary.update(swap(model, cfg, layers, teacher_qk(model, calib, layers, rt)))
     for name, step in (('swap', None), ('stage1', lambda: transfer(model, task, cfg, rt, layers)),
                        ('stage2', lambda: finetune(model, module, task, cfg, rt))):
         fit = step() if step else {}

@@ -273,8 +273,7 @@ def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
     class Adapter(LM):
         @torch.no_grad()
         def loglikelihood(self, requests):
-            pairs = [split(*r.args) for r in requests]
-            out = []
+            pairs, out = [split(*r.args) for r in requests], []
             for i in range(0, len(pairs), batch_size):   # right-padded: a causal model's padding is after its tokens
                 group = [(c + t)[-(context + 1):] for c, t in pairs[i:i + batch_size]]
                 inputs = [torch.tensor(g[:-1], dtype=torch.long) for g in group]
@@ -727,8 +726,7 @@ def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,),
 
                     def step():
                         run['tok'] = g(run['tok']).argmax(-1)
-                sec = timed(step, steps)
-                name = label + (f', B={B}' if len(batches) > 1 else '')
+                sec, name = timed(step, steps), label + (f', B={B}' if len(batches) > 1 else '')
                 rows.append({'attn': name, 'batch': B, 'length': L, 'ms_per_token': sec * 1e3,
                              'tokens_per_s': B / sec, 'aten_ops': ops, 'rss_mb': _proc_mb('VmRSS'),
                              'state_mb': m.decode_state_nbytes(run['states']) / 2**20})

@@ -307,8 +307,7 @@ class KVCache:
 
     def append(self, k, v):
         """The cache with T more tokens k, v (B, H_kv, T, D)."""
-        n, T, capacity = self.n, k.shape[2], self.k.shape[2]
-        cache = self
+        n, T, capacity, cache = self.n, k.shape[2], self.k.shape[2], self
         if n + T > capacity:                  # full: larger buffers, the first n copied
             if self.static:
                 raise RuntimeError(f"the static KV cache of {capacity} tokens is full")
@@ -399,8 +398,7 @@ class LolaState:
 
 @dataclass(frozen=True)
 class SplitState:
-    """Exact heads beside the rest (spec exact=): a KV cache for the exact KV heads, the rest's own
-    state."""
+    """Exact heads (spec exact=) beside the rest: their own KV cache, the rest's own state."""
     exact: KVCache
     rest: object
 
@@ -476,8 +474,7 @@ class Attention(nn.Module):
             rate = math.log(math.log(2) / spec.decay)
             self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),), rate))
         if spec.window and self.fmap is not None:
-            # joint: gamma = sigmoid(theta) = 0.1 at init (LoLCATs' code: -2.197); mix: s = 1/2
-            # until calibrate() sets it
+            # gamma = sigmoid(theta) = 0.1 (LoLCATs' code: -2.197); mix: s = 1/2 until calibrate()
             theta = math.log(0.1 / 0.9) if spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((len(self.rest_q),), theta))
 
@@ -702,8 +699,7 @@ class Attention(nn.Module):
         c = slots.c.index_select(2, leaving) if slots.c is not None else None
         if st.n + 1 - W < N:   # the slot may be empty or hold a sink: weigh it 0
             real = slots.pos.index_select(0, leaving) >= 0                 # (1,) bool
-            phi = phi * real
-            c = None if c is None else c.masked_fill(~real, NO_KEY)
+            phi, c = phi * real, None if c is None else c.masked_fill(~real, NO_KEY)
         return st.linear.add(phi, v, c)
 
     # -- LoLA's sparse cache (spec cache=): its schedule in segments, prefill and decode alike
@@ -715,8 +711,7 @@ class Attention(nn.Module):
             none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
             with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
             state = LolaState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q))
-        C, T = self.spec.cache_block, q.shape[2]
-        ys, shares, t = [], [], 0
+        C, T, ys, shares, t = self.spec.cache_block, q.shape[2], [], [], 0
         while t < T:
             n = min(T - t, self.window - 1 + C - len(state.buffer))   # tokens up to the next update
             qs, ks, vs = (x[:, :, t:t + n] for x in (q, k, v))

@@ -540,13 +540,11 @@ class CausalLinearAttention(torch.autograd.Function):
         return (*grads, dS0, dz0, None, None, None, None, None, None)
 
 def supports(F, D):
-    """Whether the kernel handles feature dimension F and value dimension D (Taylor's 1 + D + D^2
-    does not)."""
+    """Whether the kernel handles feature dim F and value dim D (Taylor's F = 1 + D + D^2: not)."""
     return F <= MAX_FEATURE_DIM and D <= MAX_HEAD_DIM
 
 def triton_available(x):
-    """True when the kernel can run on tensor x: CUDA, or CPU under TRITON_INTERPRET=1 (set before
-    import)."""
+    """Whether the kernel runs on x: CUDA, or CPU under TRITON_INTERPRET=1 set before import."""
     return HAS_TRITON and (x.is_cuda or (INTERPRET and x.device.type == 'cpu'))
 
 @torch.compiler.disable   # torch.compile: a graph break here rather than tracing into the launches
@@ -576,9 +574,7 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     with _on_device(v):
         out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c.detach(), m0.detach(), eps,
                                           bool(return_state), int(chunk_size), allow_tf32)
-    if not return_state:
-        return out
-    return out[0], out[1:] if shifted else out[1:3]
+    return (out[0], out[1:] if shifted else out[1:3]) if return_state else out
 
 # ---- the benchmark (python kernels.py, CUDA) ---------------------------------------------------
 def _benchmark(B, H, Ts, F, D, dt):
