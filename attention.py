@@ -66,7 +66,8 @@ def check_qk(q, k, head_dim, n_heads):
 def softmax_attention(q, k, v, causal=True, attn_mask=None):
     """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool
     (B, H, T_q, T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
-    causal, gqa = causal and attn_mask is None and q.shape[-2] > 1, k.shape[1] != q.shape[1]
+    causal = causal and attn_mask is None and q.shape[-2] > 1
+    gqa = k.shape[1] != q.shape[1]
     return nnf.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=gqa)
 
 def causal_mask(T_q, T_k, device=None):
@@ -157,7 +158,8 @@ class T2RFeatureMap(FeatureMap):
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None):
         super().__init__(head_dim, n_heads)
-        self.feature_dim, bound = feature_dim or head_dim, 1 / math.sqrt(head_dim)
+        self.feature_dim = feature_dim or head_dim
+        bound = 1 / math.sqrt(head_dim)
         weight = torch.empty(n_heads, self.feature_dim, head_dim).uniform_(-bound, bound)
         self.weight = nn.Parameter(weight)                                       # (H, F, D)
         self.bias = nn.Parameter(torch.empty(n_heads, self.feature_dim).uniform_(-bound, bound))
@@ -438,7 +440,8 @@ class DoFFeatureMap(FeatureMap):
         self.log_a = nn.Parameter(torch.zeros(n_heads, self.feature_dim))
 
     def log_phi(self, x, which, offset):
-        D, M, norm2 = self.head_dim, self.feature_dim, (x * x).sum(-1, keepdim=True)
+        D, M = self.head_dim, self.feature_dim
+        norm2 = (x * x).sum(-1, keepdim=True)
         u = _per_head_linear(x, self.z) * D ** -0.25 - norm2 / (2 * math.sqrt(D))
         return u + 0.5 * self.log_a.to(x.dtype)[:, None, :] - 0.5 * math.log(M)
 
@@ -584,7 +587,8 @@ def _recurrent(q, k, v1, c, m, Sz0, m0):
     """One token at a time, the state in row t's units:
         [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T
         out_t = phi_q_t [S | z]"""
-    outs, Sz, m_prev = [], Sz0, m0
+    outs = []
+    Sz, m_prev = Sz0, m0
     for t in range(q.shape[2]):
         k_t = k[:, :, t] * torch.exp(c[..., t] - m[..., t])[..., None]            # (B, H, F)
         decay = torch.exp(m_prev - m[..., t])[..., None, None]                    # (B, H, 1, 1)
@@ -700,7 +704,8 @@ def monotonicity(w, q, k, causal=True):
     (rows with fewer than 3 keys skipped), averaged per head. Returns (rho (B, H) float64, (scores,
     weights) of every visible pair, 1-D)."""
     s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
-    w, T, rhos = w.double(), w.shape[-1], []
+    w, T = w.double(), w.shape[-1]
+    rhos = []
     for i in range(2 if causal else 0, w.shape[-2]):
         rs, rw = (ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
         rs, rw = rs - rs.mean(-1, keepdim=True), rw - rw.mean(-1, keepdim=True)

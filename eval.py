@@ -726,7 +726,8 @@ def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,),
 
                     def step():
                         run['tok'] = g(run['tok']).argmax(-1)
-                sec, name = timed(step, steps), label + (f', B={B}' if len(batches) > 1 else '')
+                sec = timed(step, steps)
+                name = label + (f', B={B}' if len(batches) > 1 else '')
                 rows.append({'attn': name, 'batch': B, 'length': L, 'ms_per_token': sec * 1e3,
                              'tokens_per_s': B / sec, 'aten_ops': ops, 'rss_mb': _proc_mb('VmRSS'),
                              'state_mb': m.decode_state_nbytes(run['states']) / 2**20})
@@ -818,8 +819,8 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     passkey: bool = False         # passkey retrieval by length (--sweep) and depth, through lm-eval
     lm_eval_include: str = ''     # a folder of local lm-eval task yamls (dataset_path: json)
     ckpt: str = ''                # train.py checkpoint or out_dir, convert.py folder, HF folder or hub name, .gguf file
-    attn: str = ''                # load --ckpt with this attention: e.g. lolcats:window=64:sinks=4:cache=256 (a
-                                  # conversion keeps its trained maps when only impl, sinks or cache change)
+    attn: str = ''                # load --ckpt with this attention: e.g. lolcats:window=64:sinks=4:cache=256
+                                  # (trained maps kept if only impl/sinks/cache/decay/nope change)
     tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the model's own
     data: str = ''                # input data (see each report)
     out_dir: str = 'out/eval'     # where JSON (and PNG) results go

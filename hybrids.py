@@ -307,7 +307,8 @@ class KVCache:
 
     def append(self, k, v):
         """The cache with T more tokens k, v (B, H_kv, T, D)."""
-        n, T, capacity, cache = self.n, k.shape[2], self.k.shape[2], self
+        n, T, capacity = self.n, k.shape[2], self.k.shape[2]
+        cache = self
         if n + T > capacity:                  # full: larger buffers, the first n copied
             if self.static:
                 raise RuntimeError(f"the static KV cache of {capacity} tokens is full")
@@ -542,26 +543,25 @@ class Attention(nn.Module):
         tensor, in steps) or offset. None x 4 without a linear part."""
         if self.fmap is None:
             return None, None, None, None
-        t = None
-        if self.spec.nope or self.spec.decay:   # the positions, (T,)
-            t = torch.arange(q.shape[2], device=q.device) + (offset if pos is None else pos)
-        phi_q, phi_k, c_q, c_k = self.fmap.features(*self.map_inputs(q, k, t), offset)
+        start = offset if pos is None else pos   # the first token's position
+        phi_q, phi_k, c_q, c_k = self.fmap.features(*self.map_inputs(q, k, start), offset)
         if key_padding_mask is not None:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         if self.spec.decay:
+            t = torch.arange(q.shape[2], device=q.device) + start             # (T,)
             gt = torch.exp(self.decay_rate)[:, None] * t                      # (H, T)
             c_q, c_k = c_q - gt, c_k + gt
         return phi_q, phi_k, c_q, c_k
 
-    def map_inputs(self, q, k, t=None):
+    def map_inputs(self, q, k, start=0):
         """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position 0
-        from positions t (T,), by default 0..T-1; as given otherwise."""
+        from positions start..start+T-1; as given otherwise."""
         if not self.spec.nope:
             return q, k
         if self.inv_freq.device != q.device:   # once per device, before any graph capture
             self.inv_freq = self.inv_freq.to(q.device)
-        t = torch.arange(q.shape[2], device=q.device) if t is None else t
+        t = torch.arange(q.shape[2], device=q.device) + start                # (T,)
         angle = (t[:, None] * self.inv_freq).repeat(1, 2)                    # (T, D)
         return tuple(A.apply_rope(x, angle.cos(), -angle.sin()) for x in (q, k))
 
@@ -711,7 +711,8 @@ class Attention(nn.Module):
             none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
             with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
             state = LolaState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q))
-        C, T, ys, shares, t = self.spec.cache_block, q.shape[2], [], [], 0
+        C, T = self.spec.cache_block, q.shape[2]
+        ys, shares, t = [], [], 0
         while t < T:
             n = min(T - t, self.window - 1 + C - len(state.buffer))   # tokens up to the next update
             qs, ks, vs = (x[:, :, t:t + n] for x in (q, k, v))

@@ -198,7 +198,8 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, H, b, self.family = config.n_embd, config.intermediate_size, config.bias, config.family
+        C, H, b = config.n_embd, config.intermediate_size, config.bias
+        self.family = config.family
         if config.family == 'llama':
             self.gate_proj, self.up_proj, self.down_proj = nn.Linear(C, H, b), nn.Linear(C, H, b), nn.Linear(H, C, b)
         else:
@@ -235,7 +236,8 @@ class Transformer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config, C, self.rope = config, config.n_embd, config.family == 'llama'
+        self.config, C = config, config.n_embd
+        self.rope = config.family == 'llama'
         blocks = [Block(config, config.layer_attn.get(i, config.attn)) for i in range(config.n_layer)]
         modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout), h=nn.ModuleList(blocks))
         if not self.rope:   # learned positions
@@ -597,7 +599,7 @@ def save(path, model, base=None, keep=(), **extra):
     new = new_tensor_names(model)[0]
     sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model).items()
           if base is None or k in new or any(k.startswith(p) for p in keep)}
-    tok = model.tokenizer.to_spec() if model.tokenizer is not None else None
+    tok = model.tokenizer.spec if model.tokenizer is not None else None
     obj = dict(config=asdict(model.config), model=sd, tokenizer=tok, base=base and str(base), extra=extra)
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -616,7 +618,8 @@ def _load_ours(path, overrides, as_base):
         raise UsageError(f"{path} is not a checkpoint torch can read: {str(e).splitlines()[0]}") from None
     if not isinstance(obj, dict) or not {'config', 'model'} <= set(obj):
         raise UsageError(f"{path} is not a checkpoint written by model.save")
-    saved, base, want = GPTConfig(**obj['config']), obj.get('base'), {**obj['config'], **overrides}
+    saved, base = GPTConfig(**obj['config']), obj.get('base')
+    want = {**obj['config'], **overrides}
     if 'attn' in overrides and 'layer_attn' not in overrides:   # the new attention on the converted layers, if some
         converted = [i for i in range(saved.n_layer) if saved.layer_attn.get(i, saved.attn) != 'softmax']
         partial = 0 < len(converted) < saved.n_layer                # layers left softmax stay softmax
@@ -831,7 +834,8 @@ def gguf_config_to_kwargs(reader, path):
         if get('llama.' + key, head_dim) != head_dim:
             raise UsageError(f"{path}: llama.{key} = {get('llama.' + key)} is not head_dim = embedding_length / "
                              f"head_count = {head_dim}; only RoPE on the whole head is supported")
-    names, scaling = {t.name for t in reader.tensors}, get('llama.rope.scaling.type', 'none')
+    names = {t.name for t in reader.tensors}
+    scaling = get('llama.rope.scaling.type', 'none')
     if 'rope_freqs.weight' in names or scaling not in ('none', 'linear'):
         what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)' if scaling == 'none' else repr(scaling)
         raise UsageError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")

@@ -1,10 +1,10 @@
 """Tokenizers that travel with a model. In reading order:
 
-    tok = load_tokenizer(source)   # 'bytes', 'gpt2' (tiktoken), a HF folder, a .gguf file, or a spec (to_spec)
+    tok = load_tokenizer(source)   # 'bytes', 'gpt2' (tiktoken), a HF folder, a .gguf file, or a spec (tok.spec)
     ids = tok.encode(text)         # list[int], nothing added; special tokens in the text only if special=True
     ids, types = tok.encode_pair(a, b, max_len)   # classifier input: [CLS] a [SEP] b [SEP], or eos for both
     tok.decode(ids), tok.name, tok.vocab_size, tok.eos_id (or None), tok.encode_array(text) (int64 numpy)
-    tok.to_spec(), tok.fingerprint # JSON that rebuilds it offline (checkpoints store it), and its sha256
+    tok.spec, tok.fingerprint      # JSON that rebuilds it offline (checkpoints store it), and its sha256
     tok = resolve(model, source)   # for a model: source if given, else its own, else by vocab_size; must fit
 """
 import base64
@@ -38,9 +38,6 @@ class Tokenizer:
             na, nb = (room - short, short) if na > nb else (short, room - short)
         ids = [cls] + ia[:na] + [sep] + (ib[:nb] + [sep] if b is not None else [])
         return ids, [0] * (na + 2) + [1] * (len(ids) - na - 2)
-
-    def to_spec(self):
-        return self.spec
 
     @property
     def fingerprint(self):
