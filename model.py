@@ -291,8 +291,9 @@ class Transformer(nn.Module):
         layers = range(self.config.n_layer) if layers is None else layers
         names = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)
                  and n.startswith('transformer.h.') and int(n.split('.')[2]) in layers and n.endswith(tuple(targets))]
-        if not names:
-            raise ValueError(f"LoRA targets {list(targets)} match no Linear module in layers {list(layers)}")
+        if not names:   # (nor a model's own LoRA: a converted checkpoint's q/k/v/o are LoRALinear)
+            raise UsageError(f"LoRA targets {list(targets)} match no Linear module without LoRA in layers "
+                             f"{list(layers)}")
         for name in names:
             parent, _, child = name.rpartition('.')
             setattr(self.get_submodule(parent), child, LoRALinear(self.get_submodule(name), rank, alpha))

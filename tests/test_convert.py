@@ -110,8 +110,18 @@ def test_lora_starts_as_identity_and_only_lora_trains(ckpts, text_file, tmp_path
 
 def test_lora_bad_target(ckpts):
     model, _ = M.load(ckpts['gpt2'])
-    with pytest.raises(ValueError, match='match no Linear'):
+    with pytest.raises(A.UsageError, match='match no Linear'):
         model.add_lora(4, 8, targets=['nope_proj'])
+
+
+def test_lora_on_a_model_with_lora_is_a_clear_error(ckpts, text_file, tmp_path, capsys):
+    """Stage 2 from a conversion that has LoRA already: one line naming it, not a traceback."""
+    _run(_args(ckpts['gpt2'], text_file, tmp_path / 'a', '--attn', 'hedgehog', '--stage1_iters', '0',
+               '--stage2_iters', '1'))
+    with pytest.raises(SystemExit) as e:
+        C.main(_args(str(tmp_path / 'a'), text_file, tmp_path / 'b', '--attn', 'softmax', '--stage1_iters', '0',
+                     '--stage2_iters', '1'))
+    assert e.value.code == 2 and 'no Linear module without LoRA' in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------
