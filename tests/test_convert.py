@@ -367,6 +367,21 @@ def test_softmax_control_run_only_finetunes(ckpts, text_file, tmp_path):
     assert all(k.endswith(('lora_A', 'lora_B')) for k in _saved(out)['model'])
 
 
+def test_stage2_alone_on_a_stage1_checkpoint(ckpts, text_file, tmp_path):
+    """The route convert.py's torchrun error names: stage 1 alone, then --init_from it with --attn softmax and
+    --stage1_iters 0 keeps the converted layers (their maps unchanged) and trains only the LoRA factors."""
+    _run(_args(ckpts['llama'], text_file, tmp_path / 's1', '--attn', 'hedgehog', '--stage1_iters', '2',
+               '--stage2_iters', '0'))
+    s = _run(_args(str(tmp_path / 's1'), text_file, tmp_path / 's2', '--attn', 'softmax', '--stage1_iters', '0',
+                   '--stage2_iters', '2', '--stage2_lr', '1e-2'))
+    assert s['stages']['stage2']['mode'] == 'lora'
+    first, second = M.load(str(tmp_path / 's1'))[0], M.load(str(tmp_path / 's2'))[0]
+    assert [str(c.spec) for c in second.attention_cores()] == ['hedgehog'] * 2
+    a, b = first.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if '.core.' in k)   # the trained maps, as stage 1 left them
+    assert any(not torch.equal(b[k], 0 * b[k]) for k in b if k.endswith('lora_B'))
+
+
 def test_parameter_free_map_saves_no_tensors(ckpts, text_file, tmp_path):
     out = tmp_path / 'elu'
     _run(_args(ckpts['llama'], text_file, out, '--attn', 'elu', '--stage1_iters', '5', '--stage2_iters', '0'))
