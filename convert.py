@@ -436,9 +436,8 @@ def run(cfg):
     """The whole conversion -> the summary (also out_dir/summary.json)."""
     t_start, rt = time.time(), train.setup(cfg.device, 'float32')
     if rt.ddp and cfg.stage1_iters:
-        raise UsageError("stage 1 runs in one process (its loss does not pass through the DDP wrapper): launch it "
-                         "with --stage2_iters 0 and without torchrun, then stage 2 under torchrun with --init_from "
-                         "out_dir --attn softmax --stage1_iters 0 (softmax: keep the converted layers)")
+        raise UsageError("stage 1 runs in one process: run it with --stage2_iters 0 without torchrun, then "
+                         "stage 2 under torchrun with --init_from out_dir --attn softmax --stage1_iters 0")
     torch.manual_seed(cfg.seed)
     num_labels = train.glue_num_labels(cfg.glue_task) if cfg.task == 'glue' else 0
     model, _ = M.load(cfg.init_from, **({'num_labels': num_labels} if num_labels else {}))
