@@ -639,8 +639,8 @@ def _load_ours(path, overrides, as_base):
     new, prefixes = new_tensor_names(model)
     kept = lambda k: not any(k.startswith(prefixes[i]) for i in changed)   # noqa: E731
     tensors, own = {k: v for k, v in obj['model'].items() if kept(k)}, _own_tensors(model)
-    need = {k for k in own if kept(k) and ((k in new) if base else not (as_base and k in new))}
-    need = set() if as_base and base else need   # (a base with its own base: the outer file holds the new tensors)
+    need = (set() if as_base and base   # a base with a base of its own: the outer file holds every new tensor
+            else {k for k in own if kept(k) and ((k in new) if base else not (as_base and k in new))})
     need -= {k for k in own if k.endswith('.decay_rate') and k not in tensors}   # a decay added at load
     _copy_checked(f"cannot load checkpoint {path}", own, tensors, {k: (k, lambda t: t) for k in own}, need)
     if obj.get('tokenizer'):
