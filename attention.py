@@ -499,34 +499,45 @@ class AttnSpec:
         _choose('attention', self.name, ATTN_CHOICES)
         _choose('window combine', self.combine, WINDOW_COMBINES)
         _choose('impl', self.impl, IMPLS)
+        for why in self._errors():
+            raise UsageError(f"attention spec '{self}': {why}")
+
+    def _errors(self):
+        """What cannot be, in order: values of the wrong type, settings that do not go together (the
+        hybrid's, then the linear part's), options the map does not know."""
         known = get_type_hints(FEATURE_MAPS[self.name].__init__) if self.name != 'softmax' else {}
         types = {**self.settings(), **known}   # the settings' and the map's options' types
-        wrong = [f"{key}={value!r} is not {getattr(types[key], '__name__', types[key])}" for key, value in
-                 [(key, getattr(self, key)) for key in self.settings()] + list(self.options)
-                 if key in types and not _fits(value, types[key])]
+        values = [(key, getattr(self, key)) for key in self.settings()] + list(self.options)
+        wrong = [f"{key}={value!r} is not {getattr(types[key], '__name__', types[key])}"
+                 for key, value in values if key in types and not _fits(value, types[key])]
         if wrong:
-            raise UsageError(f"attention spec '{self}': {', '.join(wrong)}")
+            yield ', '.join(wrong)
+            return
+        if self.window < 0 or self.diag_block < 0:
+            yield "window and diag_block must be >= 0"
+        if self.window and self.diag_block:
+            yield "choose one hybrid, window or diag_block, not both"
+        if self.combine != 'joint' and not self.window:
+            yield "combine is the window's form: set window"
+        if self.sinks < 0 or (self.sinks and not self.window):
+            yield "sinks (>= 0) belong to a window"
+        if self.cache < 0 or (self.cache and (not self.window or self.name == 'softmax')):
+            yield "cache (>= 0) belongs to a window with a linear part (its state scores the pairs)"
+        if self.cache_block < 1:
+            yield "cache_block must be >= 1"
+        if self.name == 'softmax' and (self.diag_block or self.combine != 'joint'):
+            yield "softmax takes a window and sinks, no diag_block or combine"
+        if self.decay < 0 or (self.decay and self.name == 'softmax'):
+            yield "decay (>= 0) is the linear state's: a feature map's"
+        if self.nope not in (0, 1) or (self.nope and self.name == 'softmax'):
+            yield "nope (0 or 1) is the linear part's: a feature map's"
+        if self.impl == 'triton' and self.window:
+            yield "the window hybrid has no triton path"
+        if self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact):
+            yield "exact takes KV head indices joined by +, e.g. exact=0+2"
         unknown = [key for key, _ in self.options if key not in known]
-        for bad, why in ((self.window < 0 or self.diag_block < 0, "window and diag_block must be >= 0"),
-                         (self.window and self.diag_block, "choose one hybrid, window or diag_block, not both"),
-                         (self.combine != 'joint' and not self.window, "combine is the window's form: set window"),
-                         (self.sinks < 0 or (self.sinks and not self.window), "sinks (>= 0) belong to a window"),
-                         (self.cache < 0 or (self.cache and (not self.window or self.name == 'softmax')),
-                          "cache (>= 0) belongs to a window with a linear part (its state scores the pairs)"),
-                         (self.cache_block < 1, "cache_block must be >= 1"),
-                         (self.decay < 0 or (self.decay and self.name == 'softmax'),
-                          "decay (>= 0) is the linear state's: a feature map's"),
-                         (self.nope not in (0, 1) or (self.nope and self.name == 'softmax'),
-                          "nope (0 or 1) is the linear part's: a feature map's"),
-                         (self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact),
-                          "exact takes KV head indices joined by +, e.g. exact=0+2"),
-                         (self.impl == 'triton' and self.window, "the window hybrid has no triton path"),
-                         (self.name == 'softmax' and (self.diag_block or self.combine != 'joint'),
-                          "softmax takes a window and sinks, no diag_block or combine"),
-                         (unknown, f"unknown option(s) {', '.join(unknown)}; {self.name}'s options: "
-                                   f"{', '.join(known) or 'none'}")):
-            if bad:
-                raise UsageError(f"attention spec '{self}': {why}")
+        if unknown:
+            yield f"unknown option(s) {', '.join(unknown)}; {self.name}'s options: {', '.join(known) or 'none'}"
 
     @classmethod
     def parse(cls, s):
@@ -558,30 +569,40 @@ class AttnSpec:
 # [S | z] = sum_s phi_k_s [v_s | 1]^T (B, H, F, D + 1), so num and den come out of one product.
 # Key shifts (c, with the running max m and the state's units M): see linear_attention_parts.
 
+def exp_as(x, like):
+    """exp(x) in like's dtype: x a difference of shifts, float64 where a decay makes them large."""
+    return torch.exp(x).to(like.dtype)
+
 def scaled_keys(k, c, M):
     """phi_k_s exp(c_s - M): keys (B, H, T, F) in units of exp(-M), M >= every c_s."""
-    return k * torch.exp(c - M[..., None])[..., None]
+    return k * exp_as(c - M[..., None], k)[..., None]
 
 def _start(initial_state, B, H, F, D, like):
     """The [S | z] (B, H, F, D + 1) and m (B, H) to start from: initial_state (S, z[, m = 0]), or
-    zeros with no key seen (m = NO_KEY)."""
+    zeros with no key seen (m = NO_KEY); m keeps its dtype (float64 under a decay)."""
     if initial_state is None:
         return like.new_zeros(B, H, F, D + 1), like.new_full((B, H), NO_KEY)
     S, z = initial_state[0], initial_state[1]
     m = initial_state[2] if len(initial_state) > 2 else like.new_zeros(B, H)
-    return torch.cat([S, z[..., None]], -1).to(like.dtype), m.to(like.dtype)
+    return torch.cat([S, z[..., None]], -1).to(like.dtype), m
 
-def _final_state(k, v1, c, Sz0, m0, M):
-    """[S | z] after every key, in units of exp(-M): the start's, rescaled, plus each key's."""
-    return Sz0 * torch.exp(m0 - M)[..., None, None] + scaled_keys(k, c, M).transpose(-2, -1) @ v1
+def fold(Sz, m, k, c, v1):
+    """The state Sz (B, H, F, E) in units exp(-m) (B, H) with keys k (B, H, L, F), their shifts c
+    (B, H, L) and values v1 (B, H, L, E) added, in no order: (Sz', M), M = max(m, every c)."""
+    M = torch.maximum(m, c.amax(-1)) if c.shape[-1] else m
+    return Sz * exp_as(m - M, k)[..., None, None] + scaled_keys(k, c, M).transpose(-2, -1) @ v1, M
+
+def divide(num, den):
+    """num / den per row, 0 where den is 0 (a row whose features are all 0)."""
+    return num / den.where(den > 0, 1.0)[..., None]
 
 def _quadratic(q, k, v1, c, m, Sz0, m0, causal):
     """The definition, (B, H, T, T) weights A_ts = phi_q_t . phi_k_s exp(c_s - m_t) over s <= t
     (causal) or every s, plus the starting state read in row t's units."""
-    A = (q @ k.transpose(-2, -1)) * torch.exp((c[..., None, :] - m[..., None]).clamp(max=0))
+    A = (q @ k.transpose(-2, -1)) * exp_as((c[..., None, :] - m[..., None]).clamp(max=0), q)
     A = A.tril() if causal else A
-    out = A @ v1 + (q @ Sz0) * torch.exp(m0[..., None] - m)[..., None]         # (B, H, T, D + 1)
-    return out, _final_state(k, v1, c, Sz0, m0, m[..., -1])
+    out = A @ v1 + (q @ Sz0) * exp_as(m0[..., None] - m, q)[..., None]         # (B, H, T, D + 1)
+    return out, fold(Sz0, m0, k, c, v1)[0]
 
 def _recurrent(q, k, v1, c, m, Sz0, m0):
     """One token at a time, the state in row t's units:
@@ -590,8 +611,8 @@ def _recurrent(q, k, v1, c, m, Sz0, m0):
     outs = []
     Sz, m_prev = Sz0, m0
     for t in range(q.shape[2]):
-        k_t = k[:, :, t] * torch.exp(c[..., t] - m[..., t])[..., None]            # (B, H, F)
-        decay = torch.exp(m_prev - m[..., t])[..., None, None]                    # (B, H, 1, 1)
+        k_t = k[:, :, t] * exp_as(c[..., t] - m[..., t], k)[..., None]            # (B, H, F)
+        decay = exp_as(m_prev - m[..., t], k)[..., None, None]                    # (B, H, 1, 1)
         Sz = Sz * decay + torch.einsum('bhf,bhd->bhfd', k_t, v1[:, :, t])         # (B, H, F, D + 1)
         m_prev = m[..., t]
         outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], Sz))                # (B, H, D + 1)
@@ -608,15 +629,15 @@ def _chunked(q, k, v1, c, m, Sz0, m0, C):
     qc, kc, vc = chunks(q), chunks(k), chunks(v1)
     cc = nnf.pad(c, (0, pad), value=NO_KEY).view(B, H, n, C)                 # padding: no key
     mc = nnf.pad(m, (0, pad), 'replicate').view(B, H, n, C)
-    A = (qc @ kc.transpose(-2, -1)) * torch.exp((cc[..., None, :] - mc[..., None]).clamp(max=0))
+    A = (qc @ kc.transpose(-2, -1)) * exp_as((cc[..., None, :] - mc[..., None]).clamp(max=0), q)
     M_after = mc[..., -1]                                                     # (B, H, n)
     M_before = torch.cat([m0[..., None], M_after[..., :-1]], -1)              # (B, H, n)
     kv = scaled_keys(kc, cc, M_after).transpose(-2, -1) @ vc                  # (B, H, n, F, D + 1)
     states, Sz = [], Sz0
     for j in range(n):   # Sz: the state before chunk j, then after it
         states.append(Sz)
-        Sz = Sz * torch.exp(M_before[..., j] - M_after[..., j])[..., None, None] + kv[:, :, j]
-    r = torch.exp(M_before[..., None] - mc)[..., None]                        # (B, H, n, C, 1)
+        Sz = Sz * exp_as(M_before[..., j] - M_after[..., j], q)[..., None, None] + kv[:, :, j]
+    r = exp_as(M_before[..., None] - mc, q)[..., None]                        # (B, H, n, C, 1)
     out = A.tril() @ vc + (qc @ torch.stack(states, 2)) * r                   # (B, H, n, C, D + 1)
     return out.reshape(B, H, n * C, -1)[:, :, :T], Sz
 
@@ -639,7 +660,7 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     if impl == 'quadratic':
         out, Sz = _quadratic(q, k, v1, c, m, Sz0, m0, causal)
     elif not causal:
-        Sz = _final_state(k, v1, c, Sz0, m0, m[..., -1])
+        Sz = fold(Sz0, m0, k, c, v1)[0]
         out = q @ Sz
     elif impl == 'recurrent':
         out, Sz = _recurrent(q, k, v1, c, m, Sz0, m0)
@@ -670,8 +691,7 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
                                                c_k=c_k)
     parts = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
     num, den, _, state = parts
-    den = den + eps
-    y = (num / den.where(den > 0, 1.0)[..., None]).to(v.dtype)
+    y = divide(num, den + eps).to(v.dtype)
     shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
     return (y, state if shifted else state[:2]) if return_state else y
 

@@ -247,7 +247,8 @@ def transfer_loss(core, q, k, v, mask, weights):
         loss = loss + weights['ce'] * _row_mean(ce, mask)
     if weights.get('mse'):
         loss = loss + weights['mse'] * _row_mean((core(q, k, v, **kw) - y_t).square().mean(-1), mask)
-    if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS)
+    if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS), on the heads with a map
+        q, k = q[:, core.rest_q], k[:, core.rest_q]
         phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))   # the kernel, unnormalised:
         phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]   # shifts undone
         if mask is not None:
@@ -356,7 +357,8 @@ def swap(model, cfg, layers, qk):
     spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
-        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :DOF_TOKENS].cpu() for x in qk[l][:2])
+        seen = {l: M.make_core(model.config, spec).map_inputs(*qk[l][:2]) for l in layers}   # (nope: RoPE undone)
+        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :DOF_TOKENS].cpu() for x in seen[l])
                   for l in layers}   # (H, N, D): the real tokens
         clip = unit * model.config.head_dim if cfg.dof_clip else None
         dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda, cfg.dof_samples, clip,

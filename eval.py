@@ -452,7 +452,7 @@ def report_fidelity(args):
         maps = {} if core.spec.name == 'softmax' else {f'{core.spec} (model)': lambda q_, k_, c=core: c.weights(
             q_.to(args.device), k_.to(args.device)).cpu()}
         for label, spec in specs:
-            m = hybrids.Attention(spec, q.shape[-1], q.shape[1], causal=core.causal, max_len=cfg.block_size)
+            m = M.make_core(cfg, spec)   # (a map with nope: the model's RoPE undone)
             calibrated = hasattr(m.fmap, 'calibrate') or spec.combine == 'mix'
             m.calibrate(q, k)   # as convert.py does first: LLN's sigma_q^2, sigma_k^2, the mix form's s
             maps[label + (' (calibrated)' if calibrated else ' (untrained)')] = m.weights

@@ -151,12 +151,11 @@ if HAS_TRITON:
                        mask=mask_r[:, None] & mask_c[None, :], other=0.)
 
     @triton.jit
-    def _maxes(M, m0_ptr, T, j, BLOCK_T: tl.constexpr):
-        """M_{j-1} and M_j: the running max before chunk j (m_0 for j = 0) and at its last row;
-        M: one head's (T,)."""
-        m_before = tl.where(j > 0, tl.load(M + tl.maximum(j * BLOCK_T - 1, 0)), tl.load(m0_ptr))
+    def _maxes(M, MB, T, j, BLOCK_T: tl.constexpr):
+        """M_{j-1} and M_j: the running max before chunk j (m_0 for j = 0) and at its last row, in
+        chunk j's units; M: one head's (T,), MB: its (NT,) M_{j-1}."""
         m_after = tl.load(M + tl.minimum(j * BLOCK_T + BLOCK_T, T) - 1)
-        return m_before, m_after
+        return tl.load(MB + j), m_after
 
     @triton.jit
     def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d,
@@ -182,7 +181,7 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_state_kernel(
         K, V,                 # (B*H, T, F), (B*H, T, D)
-        C, M, M0,             # (B*H, T) key shifts, (B*H, T) the rows' running max, (B*H,) m_0
+        C, M, MB,             # (B*H, T) key shifts, the rows' running max, (B*H, NT) M_{j-1}
         STATES, ZS,           # out (B*H, NT, F, D), (B*H, NT, F): the state before each chunk
         S_INIT, Z_INIT,       # (B*H, F, D), (B*H, F) fp32: the initial state, or None
         S_END, Z_END,         # (B*H, F, D), (B*H, F) fp32 out: the final state, or None
@@ -211,7 +210,7 @@ if HAS_TRITON:
             _store_state(STATES + j * F * D, ZS + j * F, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
-            m_before, m_after = _maxes(M, M0 + i_bh, T, j, BLOCK_T)
+            m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
             kT = _tile(K, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
             v = _tile(V, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
             w = tl.exp(tl.load(C + rows, mask=mask_t, other=-1e30) - m_after)   # (BT,) key s's factor
@@ -225,7 +224,7 @@ if HAS_TRITON:
     @triton.jit
     def _bwd_state_kernel(
         Q, DY,                # (B*H, T, F), (B*H, T, D)
-        M, M0, RDEN, DELTA,   # (B*H, T) the rows' running max; (B*H,) m_0; (B*H, T) 1/den, dy.y
+        M, MB, RDEN, DELTA,   # (B*H, T) the rows' running max; (B*H, NT) M_{j-1}; 1/den, dy.y
         DSTATES, DZS,         # out (B*H, NT, F, D), (B*H, NT, F): the state gradient after each chunk
         DS_END, DZ_END,       # (B*H, F, D), (B*H, F) fp32: the gradient reaching the final state, or None
         DS_INIT, DZ_INIT,     # (B*H, F, D), (B*H, F) fp32 out: the initial state's gradient, or None
@@ -256,7 +255,7 @@ if HAS_TRITON:
                          i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
-            m_before, m_after = _maxes(M, M0 + i_bh, T, j, BLOCK_T)
+            m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
             qT = _tile(Q, offs_f, rows, 1, F, mask_f, mask_t)                      # (BF, BT)
             dy = _tile(DY, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
             w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))     # (BT,) row t's factor
@@ -270,19 +269,19 @@ if HAS_TRITON:
                          mask_f, mask_d, i_d)
 
     @triton.jit
-    def _chunk(T, M, M0, i_bh, BLOCK_T: tl.constexpr):
+    def _chunk(T, M, MB, i_bh, BLOCK_T: tl.constexpr):
         """Chunk j = program_id(0) of (batch x head) i_bh: its rows, their mask, M_{j-1} and M_j,
         and the index of its state in STATES (B*H, NT, ...)."""
         j = tl.program_id(0)
         rows = j * BLOCK_T + tl.arange(0, BLOCK_T)
-        m_before, m_after = _maxes(M + i_bh * T, M0 + i_bh, T, j, BLOCK_T)
+        m_before, m_after = _maxes(M + i_bh * T, MB + i_bh * tl.cdiv(T, BLOCK_T), T, j, BLOCK_T)
         return rows, rows < T, m_before, m_after, i_bh * tl.cdiv(T, BLOCK_T) + j
 
     @triton.jit
     def _fwd_kernel(
         Q, K, V, Y, RDEN,     # (B*H, T, F), (B*H, T, F), (B*H, T, D), out (B*H, T, D), out (B*H, T)
         STATES, ZS,           # (B*H, NT, F, D), (B*H, NT, F): the state before each chunk
-        C, M, M0,             # (B*H, T) key shifts, (B*H, T) the rows' running max, (B*H,) m_0
+        C, M, MB,             # (B*H, T) key shifts, the rows' running max, (B*H, NT) M_{j-1}
         T, F, D, eps,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
@@ -291,7 +290,7 @@ if HAS_TRITON:
         (rowsum(A) + q.z r + eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A
         and q S accumulated over feature blocks."""
         i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
-        rows, mask_t, m_before, _, st = _chunk(T, M, M0, i_bh, BLOCK_T)
+        rows, mask_t, m_before, _, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q, K, V = Q + i_bh * T * F, K + i_bh * T * F, V + i_bh * T * D
@@ -330,7 +329,7 @@ if HAS_TRITON:
         Q, K, V, DY, RDEN, DELTA,  # (B*H, T, F) twice, (B*H, T, D) twice, (B*H, T) twice
         STATES, ZS,                # the state before each chunk (_fwd_state_kernel)
         DSTATES, DZS,              # its gradient after each chunk (_bwd_state_kernel)
-        C, M, M0,                  # key shifts, the rows' running max, m_0 (as the forward)
+        C, M, MB,                  # key shifts, the rows' running max, M_{j-1} (as the forward)
         DQ, DK,                    # out (B*H, T, F), in phi_q's and phi_k's dtype
         T, F, D,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -342,7 +341,7 @@ if HAS_TRITON:
         program = (chunk, bh, feature block), G and the state terms accumulated over value
         blocks."""
         i_bh, i_f = tl.program_id(1).to(tl.int64), tl.program_id(2)
-        rows, mask_t, m_before, m_after, st = _chunk(T, M, M0, i_bh, BLOCK_T)
+        rows, mask_t, m_before, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = offs_f < F
         V, DY = V + i_bh * T * D, DY + i_bh * T * D
@@ -387,7 +386,7 @@ if HAS_TRITON:
     def _bwd_dv_kernel(
         Q, K, DY, RDEN,       # (B*H, T, F), (B*H, T, F), (B*H, T, D), (B*H, T)
         DSTATES,              # (B*H, NT, F, D): the state gradient after each chunk
-        C, M, M0,             # key shifts, the rows' running max, m_0 (as the forward)
+        C, M, MB,             # key shifts, the rows' running max, M_{j-1} (as the forward)
         DV,                   # out (B*H, T, D), in v's dtype
         T, F, D,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -397,7 +396,7 @@ if HAS_TRITON:
         e^(c_s - m_t) (s <= t); program = (chunk, bh, value block), P^T and k dS accumulated over
         feature blocks."""
         i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
-        rows, mask_t, _, m_after, st = _chunk(T, M, M0, i_bh, BLOCK_T)
+        rows, mask_t, _, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q, K, dS_j = Q + i_bh * T * F, K + i_bh * T * F, DSTATES + st * F * D
@@ -474,17 +473,30 @@ def _on_device(x):
     """Launch on x's GPU (a no-op on the CPU)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
-def _rows(x, *shape):
-    """x as contiguous fp32 (B*H, *shape), the kernels' layout of states and per-row vectors."""
-    return x.float().reshape(-1, *shape).contiguous()
+def _rows(x, *shape, fp32=True):
+    """x as contiguous fp32 (B*H, *shape), the kernels' layout of states and per-row vectors
+    (fp32=False: float64 stays)."""
+    return (x if x.dtype == torch.float64 and not fp32 else x.float()).reshape(-1, *shape).contiguous()
+
+def _rebased(c, m0, T, chunk):
+    """Key shifts c (B, H, T) and the initial units m0 (B, H) as the kernels take them, (B*H, T)
+    fp32: c, the rows' running max m and M_{j-1} (B*H, NT), each in units of its chunk's M_j, so
+    that a shift as large as g t (spec decay, float64) keeps its precision at any t."""
+    c, m0 = _rows(c, T, fp32=False), _rows(m0, fp32=False)
+    m = torch.maximum(c.cummax(-1).values, m0[:, None]).detach()          # (BH, T) running max
+    last = m[:, chunk - 1::chunk]
+    M = torch.cat([last, m[:, -1:]], 1) if T % chunk else last            # (BH, NT): M_j
+    M_before = torch.cat([m0[:, None].detach(), M[:, :-1]], 1) - M
+    units = M.repeat_interleave(chunk, 1)[:, :T]
+    return (c - units).float(), (m - units).float().contiguous(), M_before.float().contiguous(), m[:, -1]
 
 class CausalLinearAttention(torch.autograd.Function):
-    """apply(phi_q, phi_k, v, S0, z0, c, m0, eps, return_state, chunk_size, allow_tf32) -> y, or
-    (y, S_T, z_T, m_T); c (B, H, T), m0 (B, H): key shifts and the initial state's units (not
-    differentiated)."""
+    """apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32) -> y, or
+    (y, S_T, z_T); c, m, MB from _rebased (c differentiated: dc_s = dk_s . phi_k_s, the key's
+    features scale with exp(c_s); m and MB are units, not differentiated)."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, S0, z0, c, m0, eps, return_state, chunk_size, allow_tf32):
+    def forward(ctx, phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32):
         (B, H, T, F), D = phi_q.shape, v.shape[-1]
         dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)
         promoted = functools.reduce(torch.promote_types, dtypes)
@@ -494,27 +506,24 @@ class CausalLinearAttention(torch.autograd.Function):
         q, k, vv = (x.to(dtype).reshape(B * H, T, -1).contiguous() for x in (phi_q, phi_k, v))
         if S0 is not None:
             S0, z0 = _rows(S0, F, D), _rows(z0, F)
-        c, m0 = _rows(c, T), _rows(m0)
-        m = torch.maximum(c.cummax(-1).values, m0[:, None]).contiguous()   # (BH, T) running max
+        c = c.contiguous()
         launches = _launches(B * H, T, F, D, chunk_size, cfg)
         states, zs = _chunk_states(q, T, F, D, chunk_size, cfg)
         y, rden = torch.empty_like(vv), q.new_empty(B * H, T, dtype=torch.float32)   # rden: 1 / den
         S_end, z_end = _new_state(q, F, D) if return_state else (None, None)
-        _launch(launches, 'fwd state', k, vv, c, m, m0, states, zs, S0, z0, S_end, z_end, T, F, D)
-        _launch(launches, 'fwd out', q, k, vv, y, rden, states, zs, c, m, m0, T, F, D, float(eps))
+        _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, S_end, z_end, T, F, D)
+        _launch(launches, 'fwd out', q, k, vv, y, rden, states, zs, c, m, MB, T, F, D, float(eps))
         del states, zs   # the backward recomputes them
-        ctx.save_for_backward(q, k, vv, y, rden, S0, z0, c, m, m0)
+        ctx.save_for_backward(q, k, vv, y, rden, S0, z0, c, m, MB)
         ctx.cfg, ctx.dtypes = (B, H, T, F, D, chunk_size, cfg), dtypes
         y = y.reshape(B, H, T, D).to(v.dtype)
         if not return_state:
             return y
-        m_end = m[:, -1].reshape(B, H)
-        ctx.mark_non_differentiable(m_end)
-        return y, S_end.reshape(B, H, F, D), z_end.reshape(B, H, F), m_end
+        return y, S_end.reshape(B, H, F, D), z_end.reshape(B, H, F)
 
     @staticmethod
-    def backward(ctx, dy, dS_end=None, dz_end=None, dm_end=None):
-        q, k, vv, y, rden, S0, z0, c, m, m0 = ctx.saved_tensors
+    def backward(ctx, dy, dS_end=None, dz_end=None):
+        q, k, vv, y, rden, S0, z0, c, m, MB = ctx.saved_tensors
         B, H, T, F, D, chunk, cfg = ctx.cfg
         dy = torch.zeros_like(vv) if dy is None else dy.to(vv.dtype).reshape(vv.shape).contiguous()
         if dS_end is not None or dz_end is not None:   # the one not used downstream: zeros
@@ -528,16 +537,17 @@ class CausalLinearAttention(torch.autograd.Function):
             dstates, dzs = _chunk_states(q, T, F, D, chunk, cfg)
             dq, dk, dv = (torch.empty_like(x, dtype=dt) for x, dt in zip((q, k, vv), ctx.dtypes))
             dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)   # fp32
-            _launch(launches, 'fwd state', k, vv, c, m, m0, states, zs, S0, z0, None, None, T, F, D)
-            _launch(launches, 'bwd dstate', q, dy, m, m0, rden, delta, dstates, dzs, dS_end, dz_end,
+            _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, None, None, T, F, D)
+            _launch(launches, 'bwd dstate', q, dy, m, MB, rden, delta, dstates, dzs, dS_end, dz_end,
                     dS0, dz0, T, F, D)
             _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m,
-                    m0, dq, dk, T, F, D)
-            _launch(launches, 'bwd dv', q, k, dy, rden, dstates, c, m, m0, dv, T, F, D)
+                    MB, dq, dk, T, F, D)
+            _launch(launches, 'bwd dv', q, k, dy, rden, dstates, c, m, MB, dv, T, F, D)
+        dc = (dk.float() * k.float()).sum(-1) if ctx.needs_input_grad[5] else None   # (BH, T)
         grads = [g.reshape(B, H, T, -1) for g in (dq, dk, dv)]
         if need_dinit:
             dS0, dz0 = dS0.reshape(B, H, F, D), dz0.reshape(B, H, F)
-        return (*grads, dS0, dz0, None, None, None, None, None, None)
+        return (*grads, dS0, dz0, dc, None, None, None, None, None, None)
 
 def supports(F, D):
     """Whether the kernel handles feature dim F and value dim D (Taylor's F = 1 + D + D^2: not)."""
@@ -571,10 +581,13 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
         S0, z0 = initial_state[:2]
         m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(phi_q.shape[:2])
     c = phi_q.new_zeros(phi_q.shape[:3]) if c_k is None else c_k
+    c, m, MB, m_end = _rebased(c, m0, phi_q.shape[2], chunk_size)
     with _on_device(v):
-        out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c.detach(), m0.detach(), eps,
-                                          bool(return_state), int(chunk_size), allow_tf32)
-    return (out[0], out[1:] if shifted else out[1:3]) if return_state else out
+        out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps, bool(return_state),
+                                          int(chunk_size), allow_tf32)
+    if not return_state:
+        return out
+    return out[0], (*out[1:], m_end.view(phi_q.shape[:2])) if shifted else out[1:]
 
 # ---- the benchmark (python kernels.py, CUDA) ---------------------------------------------------
 def _benchmark(B, H, Ts, F, D, dt):

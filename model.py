@@ -334,6 +334,10 @@ class Transformer(nn.Module):
         (1,) tensor on the device), and the new decode states. attention_mask (B, T) (BERT): 1 = real, 0 = padding."""
         cfg, tr = self.config, self.transformer
         B, T = idx.size()
+        if states is None and not torch.is_tensor(offset) and offset and any(
+                c.spec.nope or c.spec.name == 'cosformer' for c in self.attention_cores()):
+            raise UsageError(f"a prefill at offset {offset} needs the states of the tokens before it: "
+                             "nope's and cosformer's maps depend on the position")
         pos = offset if torch.is_tensor(offset) else torch.arange(offset, offset + T, device=idx.device)   # (T,)
         x = tr.wte(idx)                                             # (B, T, C)
         if not self.rope:
@@ -465,7 +469,7 @@ class DecodeGraph:
         if any(core.spec.name == 'cosformer' for core in model.attention_cores()):
             raise UsageError("cosformer's features depend on the position on the host: no CUDA graph")
         self.states = [LayerState(static_state(s.attn, capacity), s.conv) for s in states]
-        self.tok, self.pos = tok.clone(), pos.clone()
+        self.tok, self.pos, self.left = tok.clone(), pos.clone(), capacity - int(pos)   # tokens it may decode
         step = torch.compile(model.decode_step, dynamic=False) if compile else model.decode_step
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -480,6 +484,9 @@ class DecodeGraph:
             self.pos.add_(1)
 
     def __call__(self, tok):
+        if self.left <= 0:   # (the graph itself cannot check: it would write past its buffers)
+            raise UsageError("the CUDA graph's KV caches are full: make it with a larger capacity")
+        self.left -= 1
         self.tok.copy_(tok)
         self.graph.replay()
         return self.logits
@@ -565,8 +572,7 @@ def _load(path, overrides, as_base=False):
         return _load_ours(ckpt, overrides, as_base)
     else:
         folder = _hf_folder(path)
-        with open(os.path.join(folder, 'config.json')) as f:
-            model = _new_model(hf_config_to_kwargs(json.load(f)), overrides, path)
+        model = _new_model(_hf_config(os.path.join(folder, 'config.json')), overrides, path)
         _load_hf_state(model, _read_hf_tensors(folder), path)
         if tokenizer_lib.has_tokenizer_files(folder):
             model.tokenizer = tokenizer_lib.HFTokenizer.from_folder(folder)
@@ -703,6 +709,21 @@ def hf_config_to_kwargs(hf):
                     intermediate_size=hf['intermediate_size'], norm_eps=get('layer_norm_eps', 1e-12),
                     type_vocab_size=get('type_vocab_size', 2), num_labels=num_labels, tie_embeddings=False)
     raise UsageError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
+
+def _hf_config(path):
+    """An HF config.json as GPTConfig keyword arguments; one that is cut short, not an object or lacks a size is a
+    UsageError naming it."""
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path} is not JSON (cut short?): {e}") from None
+    if not isinstance(hf, dict):
+        raise UsageError(f"{path} holds a JSON {type(hf).__name__}, not a model config")
+    try:
+        return hf_config_to_kwargs(hf)
+    except KeyError as e:
+        raise UsageError(f"{path} has no {e.args[0]!r} (model_type {hf.get('model_type')!r})") from None
 
 def _hf_folder(name_or_dir):
     """A local HF folder, or the hub snapshot of a name (config, tokenizer files and weights)."""

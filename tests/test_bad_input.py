@@ -7,6 +7,7 @@ of: a new option is walked without a new test. (Bools take no value: argparse re
 import contextlib
 import dataclasses
 import io
+import json
 import signal
 import sys
 import time
@@ -124,3 +125,22 @@ def test_every_option_refuses_bad_input_in_one_line(script, option, files, monke
                 assert getattr(train.parse_config(cls, argv)[0], option) == t(value), where
         else:
             assert code == 2 and len(lines) == 1 and lines[0].startswith(f'{script}.py: error: '), where
+
+
+@pytest.mark.parametrize('broken', ['cut', 'no_hidden_size', 'list'])
+def test_a_broken_hf_folder_is_one_line(broken, files, tmp_path, monkeypatch):
+    """Issue 52: a HuggingFace folder whose config.json is cut short, lacks hidden_size or is a list, as --init_from
+    and --ckpt: exit 2 and one line naming the file (a JSONDecodeError, KeyError and AttributeError before)."""
+    cfg = dict(model_type='llama', hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+               vocab_size=257)
+    text = {'cut': json.dumps(cfg)[:40], 'list': json.dumps([cfg]),
+            'no_hidden_size': json.dumps({k: v for k, v in cfg.items() if k != 'hidden_size'})}[broken]
+    folder = tmp_path / broken
+    folder.mkdir()
+    (folder / 'config.json').write_text(text)
+    for script, option in (('train', 'init_from'), ('convert', 'init_from'), ('eval', 'ckpt')):
+        monkeypatch.setattr(sys, 'argv', [f'{script}.py'])
+        code, err = run(SCRIPTS[script][1], base(script, option, files) + [f'--{option}', str(folder)])
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f'{script}.py: error: '), (script, lines)
+        assert 'config.json' in lines[0], lines

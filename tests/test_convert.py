@@ -527,3 +527,32 @@ def test_convert_with_exact_heads(ckpts, text_file, tmp_path):
         for t in range(5, 12):
             logits, st = m.decode_step(x[:, t], t, st)
             assert torch.allclose(logits, full[:, t], atol=1e-4)
+
+
+def test_l2_loss_with_exact_heads_is_the_other_heads():
+    """Issue 52: --loss l2 with exact heads (dof:exact=0) is the kernel loss of the heads with a map, as a core of
+    those heads alone computes it (the map was handed every head: a traceback)."""
+    torch.manual_seed(0)
+    core = Hy.Attention('dof:feature_dim=3:exact=0', 4, 2)
+    rest = Hy.Attention('dof:feature_dim=3', 4, 1)
+    rest.load_state_dict(core.state_dict())
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    got = C.transfer_loss(core, q, k, v, None, {'l2': 1.0})
+    assert got.item() == pytest.approx(C.transfer_loss(rest, q[:, 1:], k[:, 1:], v[:, 1:], None, {'l2': 1.0}).item())
+
+
+def test_dof_selection_sees_what_nope_maps_see(ckpts, monkeypatch):
+    """Issue 52: under nope=1, DoF's feature-dimension selection measures the q, k the maps will see, RoPE undone
+    (by hand here), not the rotated ones."""
+    from test_attention import _rope
+    model = M.load(ckpts['llama'])[0]
+    cfg = C.ConvertConfig(init_from=ckpts['llama'], attn='dof:nope=1', dof_budget=4, device='cpu')
+    q, k = (torch.randn(2, 4, 6, 8) for _ in range(2))
+    qk = {l: (q, k, torch.ones(2, 6, dtype=torch.bool)) for l in range(2)}
+    seen = {}
+    monkeypatch.setattr(C, 'select_feature_dims', lambda layer_qk, *a, **kw: (
+        seen.update(layer_qk) or ({l: 4 for l in layer_qk}, [])))
+    C.swap(model, cfg, [0, 1], qk)
+    inv_freq = M.rope_inv_freq(8, model.config.rope_theta)
+    want = _rope(q, 0, -inv_freq).transpose(1, 2).reshape(12, 4, 8).transpose(0, 1)   # (H, N, D) pooled
+    torch.testing.assert_close(seen[0][0], want)

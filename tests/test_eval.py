@@ -354,6 +354,26 @@ def test_fidelity_calibrates_lln(tmp_path):
     assert got == pytest.approx(kl['calibrated'], rel=1e-4) and abs(got - kl['raw']) > 1e-3 * kl['raw'], (got, kl)
 
 
+def test_fidelity_of_a_nope_map_on_a_rope_model(tmp_path):
+    """Issue 52: --maps elu:nope=1 on a Llama (RoPE) model runs (it said the model had no RoPE), and its KL is elu's
+    on q, k with RoPE undone by hand."""
+    from test_attention import _rope
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(family='llama', vocab_size=_vocab(), block_size=64, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                      bias=False, intermediate_size=64)
+    m = M.GPT(cfg).eval()
+    res, _ = _fidelity_of(tmp_path, m, ['--maps', 'elu:nope=1,elu', '--batch_size', '2'])
+    tok = train.get_tokenizer(verbose=False)
+    q, k = ev.capture_qk(m, torch.tensor(tok.encode(TEXT)[:32]).view(2, 16))[1]     # layer 1, windows from 0
+    inv_freq = M.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+    plain = hybrids.Attention('elu', cfg.head_dim, 2)
+    w = plain.weights(_rope(q, 0, -inv_freq), _rope(k, 0, -inv_freq))
+    want = attention.kl_divergence(attention.softmax_weights(q, k), w).mean().item()
+    s = res['summary']
+    assert s['elu:nope=1 (untrained)']['kl_per_layer'][1] == pytest.approx(want, rel=1e-4)
+    assert abs(s['elu (untrained)']['kl_per_layer'][1] - want) > 1e-2 * want
+
+
 def test_fidelity_bert_windows_are_framed(tmp_path):
     """A BERT's fidelity windows are [CLS] text [SEP] (the tokenizer's single-sentence input), each of --context."""
     tok = tokenizer.load_tokenizer('bytes')

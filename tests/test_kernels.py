@@ -432,3 +432,61 @@ def test_decay_through_the_kernel(name):
     _, st = core(q[:, :, :17], k[:, :, :17], v[:, :, :17], return_state=True)
     y, _ = core(q[:, :, 17:], k[:, :, 17:], v[:, :, 17:], state=st, return_state=True)
     assert rel(y.cpu(), want[:, :, 17:]) < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize('init', [False, True])
+def test_key_shift_gradient(init):
+    """Issue 52: the kernel's gradient for the key shifts, dc_s = dk_s . phi_k_s (the key's features scale with
+    exp(c_s)), equals autograd through the float64 reference (it returned none: a decay did not train on the Triton
+    path); shifts spread over e^8, with and without an initial state."""
+    B, H, T, F, D = 1, 2, 45, 8, 4
+    xs = make(B, H, T, F, D, init=init)
+    c = torch.rand(B, H, T, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEV) * 8 - 4
+    gy = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(DEV)
+    grads = []
+    for fn, dt, kw in ((K.causal_linear_attention_reference, torch.float64, {}),
+                       (K.causal_linear_attention, torch.float32, {'chunk_size': 16})):
+        cc = c.to(dt).requires_grad_()
+        init_state = (xs[3].detach().to(dt), xs[4].detach().to(dt), torch.zeros(B, H, dtype=dt, device=DEV)) \
+            if init else None
+        y = fn(*(x.detach().to(dt) for x in xs[:3]), initial_state=init_state, c_k=cc, **kw)
+        grads.append(torch.autograd.grad((y.double() * gy).sum(), cc)[0])
+    assert rel(grads[1], grads[0]) < 1e-5
+
+
+@needs_kernel
+def test_decay_gradient_on_every_path():
+    """Issue 52: a learned decay's gradient (and the map's) is the same on the four paths, the kernel's included (on
+    the Triton path decay_rate.grad was None), against the quadratic path in float64."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 40, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(1, 3, 40, 16, generator=g, dtype=torch.float64)
+    grads = {}
+    for impl in ('quadratic', 'chunked', 'recurrent', 'triton'):
+        core = Hy.Attention(f'hedgehog:decay=8:impl={impl}', 16, 3)
+        core.chunk_size = 16
+        with torch.no_grad():
+            core.decay_rate.copy_(torch.tensor([0.05, 0.3, 1.5]).log())
+        dt = torch.float64 if impl == 'quadratic' else torch.float32
+        core = core.to(DEV, dt)
+        (core(*(x.to(DEV, dt) for x in (q, k, v))).double() * w.to(DEV)).sum().backward()
+        grads[impl] = [p.grad.double() for p in (core.decay_rate, core.fmap.weight)]
+    for impl in ('chunked', 'recurrent', 'triton'):   # (decay_rate: 1e-4; its gradient sums t dc_t, and the dc_t
+        for got, want, tol in zip(grads[impl], grads['quadratic'], (1e-4, 1e-5)):   # sum to ~0: it cancels)
+            assert rel(got, want) < tol, impl
+
+
+@needs_kernel
+def test_large_shifts_keep_their_precision():
+    """Issue 52: key shifts as large as a decay makes them (g t = 1,420 at 2,048 tokens, half-life 1), given in
+    float64, are rebased per chunk before the kernel's fp32: within 2e-6 of the float64 reference (4.5e-7; made fp32
+    whole, they were off by float32's spacing at 1,420, 1.2e-4: 1.4e-5)."""
+    B, H, T, F, D = 1, 2, 2048, 8, 4
+    q, k, v = (x.detach() for x in make(B, H, T, F, D))
+    g = math.log(2)
+    c = torch.rand(B, H, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEV) * 2 + \
+        g * torch.arange(T, dtype=torch.float64, device=DEV)
+    want = K.causal_linear_attention_reference(q, k, v, c_k=c)
+    got = K.causal_linear_attention(q.float(), k.float(), v.float(), c_k=c, chunk_size=64)
+    assert rel(got, want) < 2e-6

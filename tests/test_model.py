@@ -709,3 +709,41 @@ def test_step_makes_no_host_copy_and_reads_no_value(spec, monkeypatch):
         logits, states = meta.decode_step(tok, pos, states)
         pos = pos + 1
     assert logits.shape == (2, V) and logits.device.type == 'meta'
+
+
+@pytest.mark.parametrize('spec', ['lolcats:window=4:sinks=1', 'lolcats:window=4:exact=0', 'lln:diag_block=3',
+                                  'softmax:window=4', 'hedgehog:decay=4:nope=1'])
+def test_decode_branches_from_one_state(spec):
+    """Issue 52 in a model: from the states after a prompt, branch a decodes 3 tokens, then branch b 2 other tokens
+    from the same states; each step's logits equal a full forward on that branch's tokens (before the fix b's were
+    0.035-0.05 off)."""
+    model = tiny('llama', attn=spec)
+    prompt = torch.randint(0, V, (2, 9))
+    branches = {'a': torch.randint(0, V, (2, 3)), 'b': torch.randint(0, V, (2, 2))}
+    _, start = model.prefill(prompt)
+    for name, toks in branches.items():
+        states, seq = start, prompt
+        for t in range(toks.shape[1]):
+            logits, states = model.decode_step(toks[:, t], 9 + t, states)
+            seq = torch.cat([seq, toks[:, t:t + 1]], 1)
+            torch.testing.assert_close(logits, model(seq)[0][:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_static_kv_cache_full_and_offset_prefill_errors():
+    """Issue 52: decoding past a static KV cache's capacity (a CUDA graph's) is a clear error, not an index error
+    inside the graph; a prefill at an offset without states, where a layer's maps depend on the position (nope,
+    cosformer), is refused rather than un-rotated from position 0."""
+    model = tiny('llama', attn='lolcats:window=4:exact=0')
+    logits, states = model.prefill(torch.randint(0, V, (1, 5)))
+    static = [M.LayerState(Hy.static_state(s.attn, 6), s.conv) for s in states]
+    _, static = model.decode_step(logits.argmax(-1), torch.full((1,), 5), static)   # the 6th token: the last slot
+    with pytest.raises(M.UsageError, match='static KV cache of 6 tokens is full'):
+        model.decode_step(logits.argmax(-1), torch.full((1,), 6), static)
+    graph = object.__new__(M.DecodeGraph)   # the graph's own count (a CUDA graph cannot run here)
+    graph.left = 0
+    with pytest.raises(M.UsageError, match='capacity'):
+        graph(torch.zeros(1, dtype=torch.long))
+    for spec in ('hedgehog:nope=1', 'cosformer'):
+        with pytest.raises(M.UsageError, match='offset'):
+            tiny('llama', attn=spec).prefill(torch.randint(0, V, (1, 5)), offset=3)
+    tiny('llama', attn='hedgehog').prefill(torch.randint(0, V, (1, 5)), offset=3)   # positions do not matter to it
