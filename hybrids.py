@@ -200,28 +200,22 @@ class Slots:
     k: torch.Tensor                   # (B, H_kv, L, D)
     v: torch.Tensor                   # (B, H_kv, L, Dv)
     pos: torch.Tensor                 # (L,) long
-    phi: torch.Tensor | None = None   # (B, H, L, F): shifted key features, for a linear part
-    c: torch.Tensor | None = None     # (B, H, L): their shifts
     static: bool = False              # a CUDA graph's own: written in place
 
     @staticmethod
-    def empty(k, v, L, phi=None, c=None):
-        """L empty slots for pairs shaped like k, v (B, H_kv, ., D) (and phi, c)."""
+    def empty(k, v, L):
+        """L empty slots for pairs shaped like k, v (B, H_kv, ., D)."""
         def zeros(x):
-            return None if x is None else x.new_zeros(*x.shape[:2], L, *x.shape[3:])
-        pos = torch.full((L,), -1, dtype=torch.long, device=k.device)
-        return Slots(zeros(k), zeros(v), pos, zeros(phi), zeros(c))
+            return x.new_zeros(*x.shape[:2], L, x.shape[3])
+        return Slots(zeros(k), zeros(v), torch.full((L,), -1, dtype=torch.long, device=k.device))
 
-    def write(self, slot, position, k, v, phi=None, c=None):
-        """The slots with pairs k, v (B, H_kv, m, D) (and phi, c) at `slot` ((m,) long, on the
-        device), pos recording `position` there: new tensors (the old slots stay as they were), or
-        static, written in place."""
+    def write(self, slot, position, k, v):
+        """The slots with pairs k, v (B, H_kv, m, D) at `slot` ((m,) long, on the device), pos
+        recording `position` there: new tensors (the old slots stay as they were), or static,
+        written in place."""
         def put(x, src, dim=2):
-            if x is None or src is None:
-                return x
             return x.index_copy_(dim, slot, src) if self.static else x.index_copy(dim, slot, src)
-        return Slots(put(self.k, k), put(self.v, v), put(self.pos, position, 0), put(self.phi, phi),
-                     put(self.c, c), self.static)
+        return Slots(put(self.k, k), put(self.v, v), put(self.pos, position, 0), self.static)
 
 def state_tensors(state):
     """The tensors of a decode state (or a list of them), in order, nested states included."""
@@ -583,13 +577,11 @@ class Window(Attention):
     def _state(self, k, v, phi_k, c_k):
         """The decode state after tokens k, v (B, H, T, D) with their features (or None)."""
         (B, H, T, D), g, W, N = k.shape, self.kv_groups, self.window, self.spec.sinks
-        c = c_k if self.shifted else None
         k1, v1 = k[:, ::g], v[:, ::g]                                       # (B, H_kv, T, D)
         first = min(max(T - W + 1, N), T)                                   # the ring's first token
         kept = torch.cat([torch.arange(min(N, T), device=k.device), torch.arange(first, T, device=k.device)])
         slot = torch.where(kept < N, kept, N + kept % W)                    # the sinks, the ring
-        pairs = (None if x is None else x[:, :, kept] for x in (k1, v1, phi_k, c))
-        slots = Slots.empty(k1, v1, N + W, phi_k, c).write(slot, kept, *pairs)
+        slots = Slots.empty(k1, v1, N + W).write(slot, kept, k1[:, :, kept], v1[:, :, kept])
         linear = None
         if phi_k is not None:   # tokens sinks .. T - W are outside the next query's window: folded
             empty, left = LinearState.empty(B, H, phi_k.shape[-1], D, k), slice(N, max(first, N))
@@ -602,13 +594,12 @@ class Window(Attention):
         then the token leaving the window for the next query is folded (in this order a step reads
         no slot it writes: a CUDA graph's warm-up may run it on the graph's state)."""
         W, N, g = self.window, st.sinks, self.kv_groups
-        phi_q, phi_k, c_q, c_k = self._features(q, k, st.n, pos=st.pos)
         slot = st.pos if st.n < N else st.pos % W + N                       # (1,)
-        features = () if phi_k is None else (phi_k, c_k if self.shifted else None)
-        slots = st.slots.write(slot, st.pos, k[:, ::g], v[:, ::g], *features)
+        slots = st.slots.write(slot, st.pos, k[:, ::g], v[:, ::g])
         num, den, m = self._slots_softmax(q, slots)                         # (B, H, 1, D), (B, H, 1)
         if st.linear is None:   # sliding-window softmax alone
             return num / den[..., None], replace(st, slots=slots, pos=st.pos + 1, n=st.n + 1)
+        phi_q, _, c_q, _ = self._features(q, q, st.n, pos=st.pos)
         num_l, den_l = st.linear.read(phi_q)
         y, _ = combine_window_linear(num, den, m, num_l, den_l, c_q + st.linear.m[..., None],
                                      self.factor(), self.spec.combine)
@@ -616,17 +607,16 @@ class Window(Attention):
 
     def _fold_leaving(self, st, slots):
         """st's linear state with the token that leaves the window for the next query folded: the one
-        in the ring's next slot (none while that token would come before the sinks' end: the slot
-        is empty then, and weighs 0)."""
-        W, N = self.window, st.sinks
-        leaving = (st.pos + 1) % W + N                                     # (1,)
-        phi, v = slots.phi.index_select(2, leaving), slots.v.index_select(2, leaving)
-        v = v.repeat_interleave(self.kv_groups, 1)                         # (B, H, 1, D)
-        c = None if slots.c is None else slots.c.index_select(2, leaving)
+        in the ring's next slot, its features made again at its position (none while that token
+        would come before the sinks' end: the slot is empty then, and weighs 0)."""
+        W, N, g = self.window, st.sinks, self.kv_groups
+        leaving = (st.pos + 1) % W + N                                      # (1,)
+        k, v = (x.index_select(2, leaving).repeat_interleave(g, 1) for x in (slots.k, slots.v))
+        _, phi, _, c = self._features(k, k, st.n + 1 - W, pos=st.pos + 1 - W)   # (B, H, 1, F), (B, H, 1)
         if st.n + 1 - W < N:
-            real = slots.pos.index_select(0, leaving) >= 0                 # (1,) bool
-            phi, c = phi * real, None if c is None else c.masked_fill(~real, NO_KEY)
-        return st.linear.add(phi, v, c)
+            real = slots.pos.index_select(0, leaving) >= 0                  # (1,) bool
+            phi, c = phi * real, c.masked_fill(~real, NO_KEY)
+        return st.linear.add(phi, v, c if self.shifted else None)
 
     def _slots_softmax(self, q, slots):
         """One query per head q (B, H, 1, D) against the slots' pairs (B, H_kv, L, D) where their
