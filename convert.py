@@ -5,7 +5,7 @@ then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension select
     python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
     python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...   (README recipe)
     python convert.py --report runs/a,runs/b            # the summary table of several conversions
-    torchrun --nproc_per_node N convert.py ...          # N processes (DDP)
+    torchrun --nproc_per_node N convert.py ... [--fsdp]  # N processes (DDP), or each block sharded over them (FSDP2)
 
 The pipeline (`run`):
     teacher = model.load(init_from)         our ckpt.pt, a HF folder or hub name, or a .gguf file
@@ -30,6 +30,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 import attention as A
 from attention import UsageError
@@ -73,6 +75,8 @@ class ConvertConfig:
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
+    fsdp: bool = False            # under torchrun: every block sharded over the processes (FSDP2), for a teacher
+                                  # too big for one device; LoRA only (--lora_rank > 0), --task lm
     seed: int = num(0, ge=0, lt=2**32)
     report: str = ''              # comma-separated convert.py out_dirs: print their summary table and exit
 
@@ -87,6 +91,9 @@ class ConvertConfig:
         if self.exact_heads and (self.task != 'lm' or self.spec.exact):
             raise UsageError("--exact_heads is for --task lm, with an --attn that names no exact= heads")
         self.weights = loss_weights(self.loss, self.spec)
+        if self.fsdp and ('RANK' not in os.environ or self.task != 'lm' or not self.lora_rank):
+            raise UsageError("--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
+                             "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
 
 KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps l2 fits
 
@@ -422,7 +429,8 @@ def finetune(model, module, task, cfg, rt):
         return None
     model.requires_grad_(cfg.lora_rank == 0)
     if cfg.lora_rank:
-        add_lora(model, cfg).to(rt.device)
+        if not cfg.fsdp:   # (--fsdp added them before sharding)
+            add_lora(model, cfg).to(rt.device)
         for n, p in model.named_parameters():
             p.requires_grad_(n.endswith(('lora_A', 'lora_B')) or n.startswith('classifier.'))
     params = [p for p in module.parameters() if p.requires_grad]
@@ -434,13 +442,25 @@ def finetune(model, module, task, cfg, rt):
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')
 
 def add_lora(model, cfg):
-    """LoRA on every layer's q/k/v/o, drawn from --seed (the same on every process, whenever it is added) and
-    leaving the random stream as it was; B = 0: the model unchanged."""
+    """LoRA on every layer's q/k/v/o, drawn from --seed (the same on every process, whenever it is added: --fsdp
+    adds it first) and leaving the random stream as it was; B = 0: the model unchanged."""
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
         names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank)
     print(f"stage 2: LoRA rank {cfg.lora_rank} on {len(names)} modules", flush=True)
     return model
+
+def shard(model, cfg, rt):
+    """--fsdp: LoRA first when stage 2 runs (no module is replaced after sharding), then FSDP2 on every block, its
+    frozen weights included, then the root. The attention cores stay whole on every process (stage 1, calibration
+    and fidelity call them on captured q, k, v; DDP averages their gradients in stage 1)."""
+    if cfg.stage2_iters:
+        add_lora(model, cfg)
+    cores = {p for c in model.attention_cores() for p in c.parameters()}
+    for m in [*model.transformer.h, model]:
+        fully_shard(m, ignored_params=cores)
+    for c in model.attention_cores():
+        c.to(rt.device)
 
 def check_fits(cfg, c, layers):
     """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
@@ -467,7 +487,8 @@ def run(cfg):
     layers = parse_layers(cfg.layers, c.n_layer)
     check_fits(cfg, c, layers)
     task = load_task(cfg, model)
-    module = (train.Classifier(model, num_labels) if cfg.task == 'glue' else model).to(rt.device)
+    module = train.Classifier(model, num_labels) if cfg.task == 'glue' else model
+    shard(model, cfg, rt) if cfg.fsdp else module.to(rt.device)
     calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i)) for i in range(CALIB_BATCHES)]
     print(f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of {c.head_dim}) to "
           f"{cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
@@ -491,17 +512,31 @@ def run(cfg):
               flush=True)
     full = cfg.stage2_iters and not cfg.lora_rank
     base = os.path.abspath(cfg.init_from) if os.path.exists(cfg.init_from) else cfg.init_from   # or a hub name
+    tensors = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+        if cfg.fsdp else None   # (gathered on rank 0)
+    summary['held'] = held(model, rt)
     if rt.ddp:
         dist.destroy_process_group()
     if not rt.master:
         return None
-    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base, keep=('classifier.',))
+    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base, keep=('classifier.',),
+           tensors=tensors)
     summary['seconds'] = round(time.time() - t_start, 1)
     with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
         json.dump(summary, f, indent=2, default=str)
     os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'), os.path.join(cfg.out_dir, 'summary.json'))
     print(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)", flush=True)
     return summary
+
+def held(model, rt):
+    """What each process holds, one entry per process: {'param_bytes' (under FSDP: its shards and the whole cores),
+    'peak_bytes' (CUDA's most allocated; None on the CPU)}."""
+    mine = dict(param_bytes=sum((p.to_local() if hasattr(p, 'to_local') else p).nbytes for p in model.parameters()),
+                peak_bytes=torch.cuda.max_memory_allocated(rt.device) if rt.device.startswith('cuda') else None)
+    out = [mine] * rt.world
+    if rt.ddp:
+        dist.all_gather_object(out, mine)
+    return out
 
 def unigram_loss(train_ids, val_ids, vocab_size):
     """Held-out cross-entropy (nats/token) of an add-one unigram model of the training tokens: the

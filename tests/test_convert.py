@@ -335,6 +335,7 @@ def test_strict_reload_rejects_tampered_files(ckpts, text_file, tmp_path):
     (['--attn', 'dof', '--dof_clip'], '--dof_clip needs --dof_budget'),
     (['--attn', 'dof', '--dof_budget', '8', '--dof_lambda', '0'], '--dof_lambda must be > 0'),
     (['--loss', 'kl'], "bad --loss part 'kl'"),
+    (['--fsdp'], "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's processes"),
 ])
 def test_bad_input_is_a_clear_error(extra, message, ckpts, text_file, tmp_path, capsys):
     argv = _args(ckpts['gpt2'], text_file, tmp_path / 'x', '--stage1_iters', '0', '--stage2_iters', '0') + extra
@@ -534,17 +535,18 @@ def test_convert_with_exact_heads(ckpts, text_file, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_ddp_equals_one_process(ckpts, text_file, tmp_path):
-    """Issue 54: both stages under torchrun, 2 gloo processes (DDP), equal one process with the same global batch
-    (--grad_accum 2): calibration (the probe's exact head, the mix share), the trained tensors within 1e-5 and the
-    perplexity; the checkpoint loads in eval.py without torchrun and scores the same."""
+def test_torchrun_ddp_and_fsdp_equal_one_process(ckpts, text_file, tmp_path):
+    """Issue 54: both stages under torchrun, 2 gloo processes, data-parallel and with every block sharded (FSDP2),
+    equal one process with the same global batch (--grad_accum 2): calibration (the probe's exact head, the mix
+    share), the trained tensors within 1e-5 and the perplexity; under FSDP each process holds about half of the
+    parameters; the checkpoints load in eval.py without torchrun and score the same."""
     args = _args(ckpts['llama'], text_file, tmp_path / 'one', '--attn', 'lolcats:window=4:combine=mix',
                  '--exact_heads', '1', '--batch_size', '2', '--grad_accum', '2', '--stage1_iters', '3',
                  '--stage2_iters', '3')
     one = _run(args)
-    for how in ('ddp',):
+    for how in ('ddp', 'fsdp'):
         r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                            'convert.py', *args, '--out_dir', str(tmp_path / how)],
+                            'convert.py', *args, '--out_dir', str(tmp_path / how)] + ['--fsdp'] * (how == 'fsdp'),
                            cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'),
                            timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -558,6 +560,8 @@ def test_torchrun_ddp_equals_one_process(ckpts, text_file, tmp_path):
         assert a.keys() == b.keys() and any(k.endswith('window_factor') for k in a)
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5, msg=k)
+        whole = one['held'][0]['param_bytes']
+        assert [h['param_bytes'] < 0.6 * whole for h in s['held']] == [how == 'fsdp'] * 2, s['held']
     ppl = [ev.report_ppl(ev.EvalConfig(ckpt=str(tmp_path / d), ppl=True, data=text_file, context=32, limit=300,
-                                       device='cpu'))['ppl'] for d in ('one', 'ddp')]
-    assert ppl == pytest.approx([ppl[0]] * 2, rel=1e-5)
+                                       device='cpu'))['ppl'] for d in ('one', 'ddp', 'fsdp')]
+    assert ppl == pytest.approx([ppl[0]] * 3, rel=1e-5)
