@@ -91,9 +91,6 @@ class ConvertConfig:
         if self.exact_heads and (self.task != 'lm' or self.spec.exact):
             raise UsageError("--exact_heads is for --task lm, with an --attn that names no exact= heads")
         self.weights = loss_weights(self.loss, self.spec)
-        if self.fsdp and ('RANK' not in os.environ or self.task != 'lm' or not self.lora_rank):
-            raise UsageError("--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
-                             "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
 
 KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps l2 fits
 
@@ -474,6 +471,9 @@ def check_fits(cfg, c, layers):
 def run(cfg):
     """The whole conversion -> the summary (also out_dir/summary.json)."""
     t_start, rt = time.time(), train.setup(cfg.device, 'float32', cfg.grad_accum)
+    if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
+        raise UsageError("--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
+                         "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
     if not rt.master:   # under torchrun rank 0 prints
         sys.stdout = open(os.devnull, 'w')
     torch.manual_seed(cfg.seed)
