@@ -5,6 +5,7 @@ then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension select
     python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
     python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...   (README recipe)
     python convert.py --report runs/a,runs/b            # the summary table of several conversions
+    torchrun --nproc_per_node N convert.py ... [--fsdp]  # N processes (DDP), or each block sharded over them (FSDP2)
 
 The pipeline (`run`):
     teacher = model.load(init_from)         our ckpt.pt, a HF folder or hub name, or a .gguf file
@@ -15,7 +16,8 @@ The pipeline (`run`):
     finetune  (stage 2)                     LoRA on q/k/v/o (or every weight) with the task loss
     model.save(out_dir/ckpt.pt, base=...)   only the new tensors; model.load(out_dir) rebuilds the rest
 After the swap and each stage, `evaluate` measures quality and attention fidelity (summary.json).
-Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss stop).
+Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss stop), in one
+process or under torchrun (each process its share of the --grad_accum micro-batches; all evaluate, rank 0 writes).
 """
 import json
 import math
@@ -27,6 +29,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 import attention as A
 from attention import UsageError
@@ -52,7 +57,8 @@ class ConvertConfig:
     val_data: str = ''            # lm: held-out text ('' = the last 10 % of --data)
     glue_task: Literal[tuple(train.GLUE_TASKS)] = 'cola'
     block_size: int = num(128, ge=2)   # sequence length (at most the model's)
-    batch_size: int = num(8, ge=1)
+    batch_size: int = num(8, ge=1)   # per process, per micro-step
+    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step, over all processes (torchrun divides it)
     eval_batches: int = num(8, ge=1)   # lm: held-out windows of block_size for quality (glue: the whole dev set)
     stage1_iters: int = num(200, ge=0)   # attention-transfer steps
     lr: float = num(1e-2, gt=0, le=1)   # stage-1 learning rate (AdamW, no weight decay)
@@ -69,6 +75,8 @@ class ConvertConfig:
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
+    fsdp: bool = False            # under torchrun: every block sharded over the processes (FSDP2), for a teacher
+                                  # too big for one device; LoRA only (--lora_rank > 0), --task lm
     seed: int = num(0, ge=0, lt=2**32)
     report: str = ''              # comma-separated convert.py out_dirs: print their summary table and exit
 
@@ -380,11 +388,17 @@ def swap(model, cfg, layers, qk):
 
 def _schedule(cfg, iters, lr):
     """A stage's train.Schedule: its steps at a constant learning rate (no warmup, no weight decay)."""
-    return train.Schedule(iters, lr, min_lr_ratio=1.0, out_dir=cfg.out_dir, seed=cfg.seed)
+    return train.Schedule(iters, lr, min_lr_ratio=1.0, grad_accum=cfg.grad_accum, out_dir=cfg.out_dir, seed=cfg.seed)
+
+class Through(torch.nn.ModuleList):
+    """Modules whose forward(fn) is fn(): a DDP wrapper around them averages the gradients of what fn computes."""
+    def forward(self, fn):
+        return fn()
 
 def transfer(model, task, cfg, rt, layers):
     """Stage 1: the teacher frozen (every core in teacher mode for the forward pass), only the converted
-    cores' parameters train, each layer on its own teacher q, k, v (so all layers train at once)."""
+    cores' parameters train, each layer on its own teacher q, k, v (so all layers train at once). Under torchrun
+    each process captures q, k, v on its own batches; the cores (whole on every process) train under DDP."""
     params = [p for l in layers for p in model.attention_cores()[l].parameters()]
     if not params or not cfg.stage1_iters:
         print("stage 1: skipped" + ('' if cfg.stage1_iters else ' (0 steps)') + (
@@ -395,12 +409,14 @@ def transfer(model, task, cfg, rt, layers):
         p.requires_grad_(True)
     cores = model.attention_cores()
 
-    def loss_fn(net, batch):
-        rec = _teacher_qkv(model, batch, layers, rt.device)   # (one process: stage 1 does not run under DDP)
-        return sum(transfer_loss(cores[l], *rec[l], cfg.weights) for l in layers) / len(layers)
+    def loss_fn(net, batch):   # net: the cores, or their DDP wrapper
+        rec = _teacher_qkv(model, batch, layers, rt.device)
+        return net(lambda: sum(transfer_loss(cores[l], *rec[l], cfg.weights) for l in layers) / len(layers))
     model.eval()   # no dropout in the teacher; the students' parameters still get gradients
-    out = train.fit(model, params, loss_fn, task.next_batch, _schedule(cfg, cfg.stage1_iters, cfg.lr), rt,
-                    log_name='stage1.jsonl')
+    out = train.fit(Through(cores[l] for l in layers), params, loss_fn, task.next_batch,
+                    _schedule(cfg, cfg.stage1_iters, cfg.lr), rt, log_name='stage1.jsonl')
+    if not rt.master:   # (rank 0 writes the log)
+        return out
     with open(os.path.join(cfg.out_dir, 'stage1.jsonl')) as f:
         losses = [json.loads(line)['loss'] for line in f]
     return dict(out, loss_first=losses[0], loss_last=losses[-1])
@@ -412,11 +428,10 @@ def finetune(model, module, task, cfg, rt):
         return None
     model.requires_grad_(cfg.lora_rank == 0)
     if cfg.lora_rank:
-        names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank)
-        model.to(rt.device)
+        if not cfg.fsdp:   # (--fsdp added them before sharding)
+            add_lora(model, cfg).to(rt.device)
         for n, p in model.named_parameters():
             p.requires_grad_(n.endswith(('lora_A', 'lora_B')) or n.startswith('classifier.'))
-        print(f"stage 2: LoRA rank {cfg.lora_rank} on {len(names)} modules", flush=True)
     params = [p for p in module.parameters() if p.requires_grad]
     lr = cfg.stage2_lr or (LORA_LR if cfg.lora_rank else FULL_LR)
     model.train()
@@ -424,6 +439,27 @@ def finetune(model, module, task, cfg, rt):
                     rt, log_name='stage2.jsonl')
     model.requires_grad_(False)
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')
+
+def add_lora(model, cfg):
+    """LoRA on every layer's q/k/v/o, drawn from --seed (the same on every process, whenever it is added: --fsdp
+    adds it first) and leaving the random stream as it was; B = 0: the model unchanged."""
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank)
+    print(f"stage 2: LoRA rank {cfg.lora_rank} on {len(names)} modules", flush=True)
+    return model
+
+def shard(model, cfg, rt):
+    """--fsdp: LoRA first when stage 2 runs (no module is replaced after sharding), then FSDP2 on every block, its
+    frozen weights included, then the root. The attention cores stay whole on every process (stage 1, calibration
+    and fidelity call them on captured q, k, v; DDP averages their gradients in stage 1)."""
+    if cfg.stage2_iters:
+        add_lora(model, cfg)
+    cores = {p for c in model.attention_cores() for p in c.parameters()}
+    for m in [*model.transformer.h, model]:
+        fully_shard(m, ignored_params=cores)
+    for c in model.attention_cores():
+        c.to(rt.device)
 
 def check_fits(cfg, c, layers):
     """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
@@ -436,10 +472,12 @@ def check_fits(cfg, c, layers):
 
 def run(cfg):
     """The whole conversion -> the summary (also out_dir/summary.json)."""
-    t_start, rt = time.time(), train.setup(cfg.device, 'float32')
-    if rt.ddp and cfg.stage1_iters:
-        raise UsageError("stage 1 runs in one process: run it with --stage2_iters 0 without torchrun, then "
-                         "stage 2 under torchrun with --init_from out_dir --attn softmax --stage1_iters 0")
+    t_start, rt = time.time(), train.setup(cfg.device, 'float32', cfg.grad_accum)
+    if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
+        raise UsageError("--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
+                         "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
+    if not rt.master:   # under torchrun rank 0 prints
+        sys.stdout = open(os.devnull, 'w')
     torch.manual_seed(cfg.seed)
     num_labels = train.glue_num_labels(cfg.glue_task) if cfg.task == 'glue' else 0
     model, _ = M.load(cfg.init_from, **({'num_labels': num_labels} if num_labels else {}))
@@ -451,7 +489,8 @@ def run(cfg):
     layers = parse_layers(cfg.layers, c.n_layer)
     check_fits(cfg, c, layers)
     task = load_task(cfg, model)
-    module = (train.Classifier(model, num_labels) if cfg.task == 'glue' else model).to(rt.device)
+    module = train.Classifier(model, num_labels) if cfg.task == 'glue' else model
+    shard(model, cfg, rt) if cfg.fsdp else module.to(rt.device)
     calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i)) for i in range(CALIB_BATCHES)]
     print(f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of {c.head_dim}) to "
           f"{cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
@@ -475,13 +514,31 @@ def run(cfg):
               flush=True)
     full = cfg.stage2_iters and not cfg.lora_rank
     base = os.path.abspath(cfg.init_from) if os.path.exists(cfg.init_from) else cfg.init_from   # or a hub name
-    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base, keep=('classifier.',))
+    tensors = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+        if cfg.fsdp else None   # (gathered on rank 0)
+    summary['held'] = held(model, rt)
+    if rt.ddp:
+        dist.destroy_process_group()
+    if not rt.master:
+        return None
+    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base, keep=('classifier.',),
+           tensors=tensors)
     summary['seconds'] = round(time.time() - t_start, 1)
     with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
         json.dump(summary, f, indent=2, default=str)
     os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'), os.path.join(cfg.out_dir, 'summary.json'))
     print(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)", flush=True)
     return summary
+
+def held(model, rt):
+    """What each process holds, one entry per process: {'param_bytes' (under FSDP: its shards and the whole cores),
+    'peak_bytes' (CUDA's most allocated; None on the CPU)}."""
+    mine = dict(param_bytes=sum((p.to_local() if hasattr(p, 'to_local') else p).nbytes for p in model.parameters()),
+                peak_bytes=torch.cuda.max_memory_allocated(rt.device) if rt.device.startswith('cuda') else None)
+    out = [mine] * rt.world
+    if rt.ddp:
+        dist.all_gather_object(out, mine)
+    return out
 
 def unigram_loss(train_ids, val_ids, vocab_size):
     """Held-out cross-entropy (nats/token) of an add-one unigram model of the training tokens: the

@@ -595,16 +595,18 @@ def new_tensor_names(model):
             names |= {f'{name}.lora_A', f'{name}.lora_B'}
     return names, prefixes
 
-def _own_tensors(model):
-    """The state dict less a tied lm_head.weight (the same tensor as transformer.wte.weight)."""
-    return {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == 'lm_head.weight')}
+def _own_tensors(model, sd=None):
+    """The state dict (or `sd`) less a tied lm_head.weight (the same tensor as transformer.wte.weight)."""
+    return {k: v for k, v in (sd or model.state_dict()).items()
+            if not (model.config.tie_embeddings and k == 'lm_head.weight')}
 
-def save(path, model, base=None, keep=(), **extra):
+def save(path, model, base=None, keep=(), tensors=None, **extra):
     """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path` atomically. base: the
     model this one was converted from (a path or hub name): then only the new tensors (attention cores, LoRA, and
-    names starting with a prefix in `keep`, e.g. a new classifier) are written; load() rebuilds the rest."""
+    names starting with a prefix in `keep`, e.g. a new classifier) are written; load() rebuilds the rest.
+    tensors: the state dict to write instead of the model's (an FSDP-sharded model's, gathered: convert.py)."""
     new = new_tensor_names(model)[0]
-    sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model).items()
+    sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model, tensors).items()
           if base is None or k in new or any(k.startswith(p) for p in keep)}
     tok = model.tokenizer.spec if model.tokenizer is not None else None
     obj = dict(config=asdict(model.config), model=sd, tokenizer=tok, base=base and str(base), extra=extra)

@@ -33,6 +33,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 import torch.nn as nn
 from torch.nn import functional as F
 
@@ -599,7 +600,8 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
         tokens += batch[0].numel()
         if j % rt.world != rt.rank:
             continue
-        with contextlib.nullcontext() if not rt.ddp or j >= cfg.grad_accum - rt.world else net.no_sync():
+        sync = j >= cfg.grad_accum - rt.world or not hasattr(net, 'no_sync')   # (FSDP reduces every micro-step)
+        with contextlib.nullcontext() if sync else net.no_sync():
             with rt.autocast:
                 loss = loss_fn(net, tuple(t.to(rt.device) for t in batch)) / (cfg.grad_accum // rt.world)
             scaler.scale(loss).backward()
@@ -620,7 +622,7 @@ class NonFiniteLoss(RuntimeError):
 def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None, save=None, resume=None,
         log_name='log.jsonl'):
     """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of convert.py's stages.
-    module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made here.
+    module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made here (none if FSDP shards it).
     params_or_optimizer: an optimizer (lr set each step), or parameters for AdamW(weight_decay=cfg.weight_decay).
     loss_fn(net, batch) -> scalar loss; it calls `net` (module or its DDP wrapper), so that DDP syncs gradients.
     next_batch(gen) -> a micro-batch of CPU tensors (the first: the tokens counted), drawn with the generator `gen`
@@ -633,7 +635,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
       raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
-    net = nn.parallel.DistributedDataParallel(module) if rt.ddp else module
+    net = module if not rt.ddp or isinstance(module, FSDPModule) else nn.parallel.DistributedDataParallel(module)
     os.makedirs(cfg.out_dir, exist_ok=True)
     t0, cpu0, clock, est, saved = time.time(), time.process_time(), (time.time(), step), {}, resume is not None
     with _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else contextlib.nullcontext() as log:

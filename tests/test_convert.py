@@ -5,6 +5,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,11 +15,13 @@ import transformers  # a test dependency: missing, it fails the run (never a sil
 import attention as A
 import hybrids as Hy
 import convert as C
+import eval as ev
 import tokenizer
 import model as M
 import train
 
 VOCAB = 257  # train.py's byte tokenizer (offline): 256 bytes + end-of-text
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _save_hf(folder, kind):
@@ -331,6 +335,7 @@ def test_strict_reload_rejects_tampered_files(ckpts, text_file, tmp_path):
     (['--attn', 'dof', '--dof_clip'], '--dof_clip needs --dof_budget'),
     (['--attn', 'dof', '--dof_budget', '8', '--dof_lambda', '0'], '--dof_lambda must be > 0'),
     (['--loss', 'kl'], "bad --loss part 'kl'"),
+    (['--fsdp'], "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's processes"),
 ])
 def test_bad_input_is_a_clear_error(extra, message, ckpts, text_file, tmp_path, capsys):
     argv = _args(ckpts['gpt2'], text_file, tmp_path / 'x', '--stage1_iters', '0', '--stage2_iters', '0') + extra
@@ -368,8 +373,8 @@ def test_softmax_control_run_only_finetunes(ckpts, text_file, tmp_path):
 
 
 def test_stage2_alone_on_a_stage1_checkpoint(ckpts, text_file, tmp_path):
-    """The route convert.py's torchrun error names: stage 1 alone, then --init_from it with --attn softmax and
-    --stage1_iters 0 keeps the converted layers (their maps unchanged) and trains only the LoRA factors."""
+    """Stage 1 alone, then --init_from it with --attn softmax and --stage1_iters 0 keeps the converted layers (their
+    maps unchanged) and trains only the LoRA factors."""
     _run(_args(ckpts['llama'], text_file, tmp_path / 's1', '--attn', 'hedgehog', '--stage1_iters', '2',
                '--stage2_iters', '0'))
     s = _run(_args(str(tmp_path / 's1'), text_file, tmp_path / 's2', '--attn', 'softmax', '--stage1_iters', '0',
@@ -556,3 +561,36 @@ def test_dof_selection_sees_what_nope_maps_see(ckpts, monkeypatch):
     inv_freq = M.rope_inv_freq(8, model.config.rope_theta)
     want = _rope(q, 0, -inv_freq).transpose(1, 2).reshape(12, 4, 8).transpose(0, 1)   # (H, N, D) pooled
     torch.testing.assert_close(seen[0][0], want)
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_and_fsdp_equal_one_process(ckpts, text_file, tmp_path):
+    """Issue 54: both stages under torchrun, 2 gloo processes, data-parallel and with every block sharded (FSDP2),
+    equal one process with the same global batch (--grad_accum 2): calibration (the probe's exact head, the mix
+    share), the trained tensors within 1e-5 and the perplexity; under FSDP each process holds about half of the
+    parameters; the checkpoints load in eval.py without torchrun and score the same."""
+    args = _args(ckpts['llama'], text_file, tmp_path / 'one', '--attn', 'lolcats:window=4:combine=mix',
+                 '--exact_heads', '1', '--batch_size', '2', '--grad_accum', '2', '--stage1_iters', '3',
+                 '--stage2_iters', '3')
+    one = _run(args)
+    for how in ('ddp', 'fsdp'):
+        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                            'convert.py', *args, '--out_dir', str(tmp_path / how)] + ['--fsdp'] * (how == 'fsdp'),
+                           cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'),
+                           timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert r.stdout.count('== stage2') == 1   # rank 0 prints
+        s = json.loads((tmp_path / how / 'summary.json').read_text())
+        assert s['exact_heads'] == {str(l): h for l, h in one['exact_heads'].items()}
+        for stage in ('swap', 'stage1', 'stage2'):
+            assert s['stages'][stage]['quality']['ppl'] == pytest.approx(one['stages'][stage]['quality']['ppl'],
+                                                                         rel=1e-5)
+        a, b = _saved(tmp_path / 'one')['model'], _saved(tmp_path / how)['model']
+        assert a.keys() == b.keys() and any(k.endswith('window_factor') for k in a)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5, msg=k)
+        whole = one['held'][0]['param_bytes']
+        assert [h['param_bytes'] < 0.6 * whole for h in s['held']] == [how == 'fsdp'] * 2, s['held']
+    ppl = [ev.report_ppl(ev.EvalConfig(ckpt=str(tmp_path / d), ppl=True, data=text_file, context=32, limit=300,
+                                       device='cpu'))['ppl'] for d in ('one', 'ddp', 'fsdp')]
+    assert ppl == pytest.approx([ppl[0]] * 3, rel=1e-5)
