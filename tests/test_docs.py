@@ -1,8 +1,10 @@
 """The documents a user copies commands from (README.md, docs/COURSE.md) against today's code: every `python X.py
 ...` names a script that runs as a program and flags its parser knows (and --attn values that parse), and every
 Python snippet runs, on tiny local stand-ins for the files it names. docs/RESULTS.md keeps its commands as they were
-run, so it is not checked. Bash expands the commands (variables, loops, command substitution), with `python`,
-`torchrun` and `pip` replaced by functions that only record their arguments."""
+run, so it is not checked; what the other two say of it is: every link into it lands on a section that holds the
+figures quoted beside the link, and every number in the README's text is in it. Bash expands the commands
+(variables, loops, command substitution), with `python`, `torchrun` and `pip` replaced by functions that only
+record their arguments."""
 import os
 import re
 import subprocess
@@ -20,6 +22,7 @@ from test_gguf import _model, gguf_tensors, write_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [d for d in ('README.md', os.path.join('docs', 'COURSE.md')) if os.path.exists(os.path.join(ROOT, d))]
+RESULTS = open(os.path.join(ROOT, 'docs', 'RESULTS.md'), encoding='utf-8').read()
 CONFIGS = {'train.py': train.TrainConfig, 'convert.py': convert.ConvertConfig, 'eval.py': ev.EvalConfig}
 STUBS = r'''
 python() { if [ "$1" = -c ]; then echo /stand-in/model.gguf; else printf '%s\x1f' "$@" >> "$REC"; echo >> "$REC"; fi; }
@@ -97,3 +100,54 @@ def test_python_snippets_run(doc, stand_ins):
         exec(compile(code, f'{doc} snippet', 'exec'), {'__name__': 'snippet'})
     assert doc != 'README.md' or snippets
     assert M.load('out/ckpt.pt')[0].config.attn == 'elu' if doc == 'README.md' else True
+
+
+FIGURE = r'(?<![\w.,#^/:-])(\d[\d,]*(?:\.\d+)?)(?:\s?(GB|MB|MiB|ms|x|%)(?!\w))?'
+
+
+def prose(text):
+    """A document's text without its code (fenced and inline), citations' years and Python's version."""
+    text = re.sub(r'^```.*?^```', '', text, flags=re.S | re.M)
+    return re.sub(r'`[^`]*`|et al\.,? \d{4}|Python \d+\.\d+', '', text)
+
+
+def holds(figure, text):
+    """Whether text has the figure: the number to as many decimals as it is quoted, in its unit (or either bare)."""
+    n, unit = figure
+    d = len(n.partition('.')[2])
+    return any(len(x.partition('.')[2]) >= d and (u == unit or '' in (u, unit))
+               and abs(float(x.replace(',', '')) - float(n.replace(',', ''))) <= 0.5 * 10 ** -d + 1e-9
+               for x, u in re.findall(FIGURE, text))
+
+
+def sections(text):
+    """{anchor: the section's text, its subsections included} of a markdown file, anchors as GitHub makes them."""
+    bare = re.sub(r'^```.*?^```', lambda m: m[0].replace('#', ' '), text, flags=re.S | re.M)   # (comments in code)
+    heads = [(m.start(), len(m[1]), re.sub(r'[^\w\- ]', '', m[2].strip().lower()).replace(' ', '-'))
+             for m in re.finditer(r'^(#+) (.+)$', bare, re.M)]
+    return {a: text[p:next((q for q, lv, _ in heads[i + 1:] if lv <= level), len(text))]
+            for i, (p, level, a) in enumerate(heads)}
+
+
+@pytest.mark.parametrize('doc', DOCS)
+def test_links_to_results_hold_the_figures_beside_them(doc):
+    """Issue 55: each link into docs/RESULTS.md lands on a section that holds every figure quoted between the link
+    and the one before it in its paragraph or list item: each decimal, and each number with a unit (GB, MB, ms, x,
+    %), as quoted (rounded: 25.35 for 25.350)."""
+    secs, target = sections(RESULTS), 'RESULTS.md#' if doc.startswith('docs') else 'docs/RESULTS.md#'
+    for para in re.split(r'\n(?=- |\d+\. |\n)', prose(open(os.path.join(ROOT, doc), encoding='utf-8').read())):
+        last = 0
+        for m in re.finditer(r'\]\(' + re.escape(target) + r'([^)]+)\)', para):
+            assert m[1] in secs, (doc, m[1])
+            for figure in re.findall(FIGURE, re.sub(r'\]\([^)]*\)', '', para[last:m.start()])):
+                if '.' not in figure[0] and not figure[1]:   # a count (63 pairs, 2,000 queries), not a measurement
+                    continue
+                assert holds(figure, secs[m[1]]), (doc, m[1], figure, para[last:m.start()])
+            last = m.end()
+
+
+def test_readme_numbers_are_in_results():
+    """Issue 55: every number in the README's text (not its commands) is one docs/RESULTS.md measured or states."""
+    text = re.sub(r'\]\([^)]*\)', '', prose(open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()))
+    assert [f for f in re.findall(FIGURE, text) if not holds(f, RESULTS)] == []
+
