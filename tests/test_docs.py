@@ -196,3 +196,14 @@ def test_readme_numbers_are_in_results():
     text = re.sub(r'\]\([^)]*\)', '', prose(open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()))
     assert [f for f in re.findall(FIGURE, text) if not holds(f, RESULTS)] == []
 
+
+def test_main_job_writes_the_files_the_readme_names(ran, tmp_path):
+    """Issue 55: the README's main job (its first train.py command, at a tiny size) writes the out/ files its
+    install section names, and no others."""
+    text = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read().split('\n## Feature maps')[0]
+    argv = next(a for a in ran['README.md'][0] if a[0] == 'train.py')
+    assert out_dir(argv) == 'out', argv
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(argv[1:] + ['--max_iters', '2', '--n_train', '64', '--seq_len', '32', '--n_embd', '32',
+                               '--batch_size', '8', '--device', 'cpu', '--out_dir', str(tmp_path / 'out')])
+    assert sorted(os.listdir(tmp_path / 'out')) == sorted(set(re.findall(r'`out/([\w.]+)`', text)))
