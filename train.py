@@ -74,7 +74,8 @@ def parse_config(cls, argv=None, doc=None):
     """argv -> (a `cls` instance, the names of the fields given explicitly), for the config dataclasses of train.py,
     convert.py and eval.py. `--name value` or `--name=value`; a bool is `--name` / `--no_name`; a Literal[...] takes
     only its values; a list[...] field is a repeatable flag; help: the field's comment, `doc` heads --help. A bad
-    value, an unknown flag or a ValueError from __post_init__ (checks across fields): one line, exit status 2."""
+    value, an unknown flag, a ValueError from __post_init__ (checks across fields), an --out_dir in a file's place:
+    one line, exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     helps, types = _comments(cls), get_type_hints(cls)
     fmt = type('Help', (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter), {})
@@ -96,6 +97,11 @@ def parse_config(cls, argv=None, doc=None):
         cfg = cls(**vars(ns))
     except ValueError as e:
         p.error(str(e))
+    out = getattr(cfg, 'out_dir', '')   # the nearest part of --out_dir that exists must be a folder
+    while out and not os.path.exists(out):
+        out = os.path.dirname(out)
+    if out and not os.path.isdir(out):
+        p.error(f"--out_dir {cfg.out_dir}: {out} is a file, not a folder")
     given = {a[2:].split('=')[0] for a in argv if a.startswith('--')}
     return cfg, {g[3:] if g.startswith('no_') and g[3:] in vars(ns) else g for g in given}
 

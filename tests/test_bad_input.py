@@ -144,3 +144,15 @@ def test_a_broken_hf_folder_is_one_line(broken, files, tmp_path, monkeypatch):
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith(f'{script}.py: error: '), (script, lines)
         assert 'config.json' in lines[0], lines
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_out_dir_under_a_file_is_refused_by_name(script, files, monkeypatch):
+    """Issue 55: an --out_dir that is a file, or under one, is refused before any work, naming the option (not
+    os.makedirs' '[Errno 17] File exists' after the run)."""
+    monkeypatch.setattr(sys, 'argv', [f'{script}.py'])
+    for out in (files['text'], files['text'] + '/sub/dir'):
+        t0 = time.time()
+        code, err = run(SCRIPTS[script][1], base(script, 'out_dir', files) + ['--out_dir', out])
+        assert (code, err) == (2, f"{script}.py: error: --out_dir {out}: {files['text']} is a file, not a folder\n")
+        assert time.time() - t0 < 5, out

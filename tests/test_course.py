@@ -5,7 +5,9 @@ numbers aside). With --course-full, lessons 1-5 run as written on data, and the 
 agree with the ones the lesson states: within 2 % (lesson 3: within 0.02; lesson 1's peak memory:
 within 1 MB), error magnitudes such as 1.7e-07 below 1e-5; the wall time of each lesson is printed
 (the teacher's note). Lessons 6 and 7 need SmolLM2: their full runs are measurements (docs/RESULTS.md),
-not tests."""
+not tests. Each *Write it yourself* exercise's grading command fails with the function's body deleted, and with the
+plausible wrong answers of WRONG."""
+import ast
 import contextlib
 import io
 import json
@@ -134,3 +136,57 @@ def test_lesson_as_written_prints_the_stated_numbers(n, monkeypatch):
             got, tol = (row['state_mb'], dict(rel=0.02)) if part == 'decode' else (row['peak_mb'], dict(abs=1))
             assert f'{mb} MB' in open(COURSE, encoding='utf-8').read(), mb
             assert round(got, 2) == pytest.approx(mb, **tol), row
+
+
+def graded():
+    """[('module.qualname', [(test file, -k expression)])] of the course's *Write it yourself* exercises (an exercise
+    with a second function, "Then `f`, graded by ...", gives two)."""
+    out = []
+    for item in re.findall(r'\*Write it yourself:\*(.*?)(?=^\d+\. |^## |\Z)', open(COURSE, encoding='utf-8').read(),
+                           re.S | re.M):
+        for part in re.split(r'\. Then ', ' '.join(item.split())):
+            out.append((re.search(r'`([\w.]+)`', part)[1],
+                        [(f, k.strip('"')) for f, k in re.findall(r'`python -m pytest -q (\S+) -k ("[^"]+"|\S+)`', part)]))
+    return out
+
+
+GRADED = graded()
+WRONG = {'hybrids.Attention.map_inputs': [('.repeat(1, 2)', '.repeat_interleave(2, dim=1)')]}   # neighbours' RoPE
+
+
+def locate(name):
+    """(script, ast node) of 'module.Class.function', or of 'Class.function' in whichever script has it."""
+    parts = name.split('.')
+    for f in [parts[0] + '.py'] if os.path.exists(os.path.join(ROOT, parts[0] + '.py')) else sorted(os.listdir(ROOT)):
+        node = ast.Module(body=ast.parse(open(os.path.join(ROOT, f)).read()).body if f.endswith('.py') else [])
+        for p in parts[1:] if f == parts[0] + '.py' else parts:
+            node = next((x for x in node.body if getattr(x, 'name', None) == p), None)
+            if node is None:
+                break
+        if node is not None:
+            return f, node
+    raise LookupError(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name, grading', GRADED, ids=[g[0] for g in GRADED])
+def test_graded_exercise_fails_without_the_body(name, grading, tmp_path):
+    """Issue 55: with the function's body deleted (`raise NotImplementedError`), every test its grading commands
+    select fails (a test that passes whatever the student writes grades nothing); with a plausible wrong answer
+    (WRONG), one at least does."""
+    assert GRADED and grading, name
+    clone = tmp_path / 'clone'
+    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns('.git', 'out*', 'runs', '__pycache__', '.*cache*'))
+    script, node = locate(name)
+    lines = open(os.path.join(ROOT, script)).read().splitlines(keepends=True)
+    first = node.body[1 if ast.get_docstring(node) else 0]
+    body = ''.join(lines[first.lineno - 1:node.end_lineno])
+    for wrong, everyone in [(' ' * first.col_offset + 'raise NotImplementedError\n', True)] + [
+            (body.replace(*change), False) for change in WRONG.get(name, [])]:
+        assert wrong != body, name
+        (clone / script).write_text(''.join(lines[:first.lineno - 1]) + wrong + ''.join(lines[node.end_lineno:]))
+        for file, k in grading:
+            r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', file, '-k', k],
+                               cwd=clone, capture_output=True, text=True, timeout=900)
+            last = r.stdout.strip().splitlines()[-1]
+            assert 'failed' in last and (' passed' not in last or not everyone), (name, wrong, file, k, last)
