@@ -531,8 +531,6 @@ class AttnSpec:
             yield "decay (>= 0) is the linear state's: a feature map's"
         if self.nope not in (0, 1) or (self.nope and self.name == 'softmax'):
             yield "nope (0 or 1) is the linear part's: a feature map's"
-        if self.impl == 'triton' and self.window:
-            yield "the window hybrid has no triton path"
         if self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact):
             yield "exact takes KV head indices joined by +, e.g. exact=0+2"
         unknown = [key for key, _ in self.options if key not in known]

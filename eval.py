@@ -687,16 +687,17 @@ def bench_forward(part, lengths, specs, device):
     return rows
 
 def step_ops(fn):
-    """The top-level aten ops one call of fn() runs (torch.profiler; ops inside another aten op not counted)."""
+    """The kernels one call of fn() issues: its top-level aten ops and Triton launches (torch.profiler; what runs
+    inside another aten op or a launch, as the interpreter's own ops, not counted)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
 
     def top_level(e):
         parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith('aten::'):
+        while parent is not None and not parent.name.startswith(('aten::', 'triton::')):
             parent = parent.cpu_parent
         return parent is None
-    return sum(1 for e in prof.events() if e.name.startswith('aten::') and top_level(e))
+    return sum(1 for e in prof.events() if e.name.startswith(('aten::', 'triton::')) and top_level(e))
 
 @torch.no_grad()
 def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,), graph=False):

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as nnf   # F is the feature dimension
 
 import attention as A
+import kernels
 from attention import NO_KEY, UsageError, acc, divide, exp_as, linear_attention, linear_attention_parts
 
 # ---- 1. the hybrids, all tokens at once ----------------------------------------
@@ -288,7 +289,7 @@ class Attention(nn.Module):
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
-    mode = None   # the family's name
+    mode, fuses = None, False   # the family's name; whether its step may run fused (fused_step)
 
     def __new__(cls, spec='softmax', head_dim=0, n_heads=1, causal=True, kv_groups=1, *args, **kwargs):
         if cls is Attention:   # the family, from the spec (and whether it keeps every KV head exact)
@@ -331,6 +332,13 @@ class Attention(nn.Module):
         self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would cast
         if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
             self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),), math.log(math.log(2) / spec.decay)))
+        fm = self.fmap   # the fused decode step's maps: Hedgehog's, LoLCATs' with its skip whole
+        self.fusable = self.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') \
+            and (fm.weight.shape[1] == head_dim or type(fm) is A.HedgehogFeatureMap) and self.window != 1 \
+            and kernels.decode_fits(fm.feature_dim, head_dim, spec.sinks + spec.window)
+        if spec.impl == 'triton' and self.mode == 'window' and not self.fusable:
+            raise UsageError(f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog "
+                             "or lolcats map with softmax or exp features, a window of 2 or more")
 
     window = property(lambda self: self.spec.window)
 
@@ -357,6 +365,8 @@ class Attention(nn.Module):
 
     def _run(self, q, k, v, state, return_state, key_padding_mask):
         """The family on its heads, in float32 (float64 stays): y in v's dtype, and the new state."""
+        if state is not None and q.shape[2] == 1 and fused(self, q):   # one token, one launch
+            return fused_step(self, q, k, v, state)
         with torch.autocast(q.device.type, enabled=False):
             q, k, v32 = acc(q), acc(k), acc(v)
             y, state = self.parallel(q, k, v32, key_padding_mask, return_state) if state is None else \
@@ -380,32 +390,37 @@ class Attention(nn.Module):
         """The positions of q's tokens, (T,) long on q's device: from start (an int, or a (1,) tensor)."""
         return torch.arange(q.shape[2], device=q.device) + start
 
-    def map_inputs(self, q, k, start=0):
+    def map_inputs(self, q, k, start=0, back=0):
         """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position 0
-        from positions start..start+T-1; as given otherwise."""
+        from positions start..start+T-1 (k's: `back` positions earlier); as given otherwise."""
         if not self.spec.nope:
             return q, k
         if self.inv_freq.device != q.device:   # once per device, before any graph capture
             self.inv_freq = self.inv_freq.to(q.device)
-        angle = (self._positions(q, start)[:, None] * self.inv_freq).repeat(1, 2)   # (T, D)
-        return tuple(A.apply_rope(x, angle.cos(), -angle.sin()) for x in (q, k))
+        t = self._positions(q, start)
+        angle = (torch.stack([t, t - back])[..., None] * self.inv_freq).repeat(1, 1, 2)[:, None, None]   # (2, 1, 1, T, D)
+        return A.apply_rope(torch.stack([q, k]), angle.cos(), -angle.sin()).unbind(0)
 
-    def _features(self, q, k, offset, key_padding_mask=None, pos=None):
-        """fmap.features of q, k at positions from pos (a device tensor, in steps) or offset, padding
-        keys removed (phi_k 0, c_k NO_KEY), spec decay as shifts: lambda^(t-s) = exp(g s) / exp(g t),
-        key s by +g s, query t by -g t (in linear attention alone the query's cancels; a window hybrid
-        weighs its two parts by it), in float64, where g t and its differences keep their precision
-        at any position. None x 4 without a linear part."""
+    def _features(self, q, k, offset, key_padding_mask=None, pos=None, back=0):
+        """fmap.features of q and k at positions from pos (a device tensor, in steps) or offset, k's
+        `back` positions earlier (a window step's leaving key), padding keys removed (phi_k 0, c_k
+        NO_KEY), spec decay as shifts: lambda^(t-s) = exp(g s) / exp(g t), key s by +g s, query t by
+        -g t (in linear attention alone the query's cancels; a window hybrid weighs its two parts by
+        it), in float64, where g t and its differences keep their precision at any position. None x 4
+        without a linear part."""
         if self.fmap is None:
             return None, None, None, None
         start = offset if pos is None else pos   # the first token's position
-        phi_q, phi_k, c_q, c_k = self.fmap.features(*self.map_inputs(q, k, start), offset)
+        q_in, k_in = self.map_inputs(q, k, start, back)
+        phi_q, phi_k, c_q, c_k = self.fmap.features(q_in, k_in, offset)
+        if back and isinstance(self.fmap, A.CosformerFeatureMap):   # its features hold the position
+            _, phi_k, _, c_k = self.fmap.features(k_in, k_in, offset - back)
         if key_padding_mask is not None:
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         if self.spec.decay:
-            gt = torch.exp(self.decay_rate).double()[:, None] * self._positions(q, start)   # (H, T)
-            c_q, c_k = c_q - gt, c_k + gt
+            g, t = torch.exp(self.decay_rate).double()[:, None], self._positions(q, start)   # (H, 1), (T,)
+            c_q, c_k = c_q - g * t, c_k + g * (t - back)
         return phi_q, phi_k, c_q, c_k
 
     @property
@@ -515,7 +530,7 @@ class Linear(Attention):
     """Linear attention (Katharopoulos et al. 2020) with the spec's map, its state (S, z, m) a
     LinearState: one path (spec impl) from the start and after a state; a step is one outer
     product into the state and one read."""
-    mode = 'linear'
+    mode, fuses = 'linear', True
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         return self._from(q, k, v, None, key_padding_mask)
@@ -539,6 +554,33 @@ class Linear(Attention):
         linear = st.add(phi_k, v, c_k if self.shifted else None)
         return divide(*linear.read(phi_q)), linear
 
+def fused(core, x):
+    """Whether core's one-token step on x runs fused_step: under torch.no_grad() (the kernel has no
+    backward), for a fusable map, with spec impl=triton (wherever triton runs, the interpreter
+    included) or impl=chunked on CUDA; the other maps and families keep their PyTorch step."""
+    if torch.is_grad_enabled() or not core.fusable or core.spec.impl not in ('chunked', 'triton'):
+        return False
+    if core.spec.impl == 'triton' and not kernels.triton_available(x):
+        raise UsageError(f"attention spec '{core.spec}': impl=triton needs triton and CUDA tensors (or "
+                         f"TRITON_INTERPRET=1), got {x.device.type}: use impl=chunked")
+    return core.spec.impl == 'triton' or (x.is_cuda and kernels.triton_available(x))
+
+def fused_step(core, q, k, v, st):
+    """Linear's or Window's step (st a LinearState or a WindowState) in one launch,
+    kernels.decode_step: the same output and state."""
+    window, fm = isinstance(st, WindowState), core.fmap
+    lin, slots = (st.linear, st.slots) if window else (st, None)
+    if core.spec.nope and core.inv_freq.device != q.device:
+        core.inv_freq = core.inv_freq.to(q.device)
+    y, (S, z, m), ring = kernels.decode_step(
+        q, k, v, st.pos, fm.weight, fm.bias, (lin.S, lin.z, lin.m), slots and (slots.k, slots.v, slots.pos),
+        core.kv_groups, core.window, core.spec.sinks, skip=type(fm) is A.LolcatsFeatureMap, log=fm.log_domain,
+        mix=core.spec.combine == 'mix', theta=getattr(core, 'window_factor', None),
+        rate=getattr(core, 'decay_rate', None), inv_freq=core.inv_freq if core.spec.nope else None, in_place=bool(slots and slots.static))
+    if not window:
+        return y, LinearState(S, z, m, st.n + 1, st.pos + 1)
+    return y, WindowState(Slots(*ring, slots.static), LinearState(S, z, m, lin.n + 1), st.pos + 1, st.n + 1, st.sinks)
+
 @dataclass(frozen=True)
 class WindowState:
     """The sliding-window hybrid's decode state after n tokens: `sinks` slots for the first tokens,
@@ -555,7 +597,7 @@ class Window(Attention):
     """Sliding-window softmax + linear attention (LoLCATs-w; without a map, sliding-window softmax
     alone): window_linear_attention all at once; a step writes the token into the ring and folds
     the one leaving the window into the linear part."""
-    mode = 'window'
+    mode, fuses = 'window', True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -591,32 +633,25 @@ class Window(Attention):
     def step(self, q, k, v, st):
         """One token after st: written into its slot (a sink's own, or its ring slot, whose token has
         left the window), the query attends to the slots (softmax) and to the folded pairs (linear);
-        then the token leaving the window for the next query is folded (in this order a step reads
-        no slot it writes: a CUDA graph's warm-up may run it on the graph's state)."""
+        then the token leaving the window for the next query is folded, its features made again (in
+        this order a step reads no slot it writes: a CUDA graph's warm-up may run it on its state)."""
         W, N, g = self.window, st.sinks, self.kv_groups
         slot = st.pos if st.n < N else st.pos % W + N                       # (1,)
         slots = st.slots.write(slot, st.pos, k[:, ::g], v[:, ::g])
         num, den, m = self._slots_softmax(q, slots)                         # (B, H, 1, D), (B, H, 1)
         if st.linear is None:   # sliding-window softmax alone
             return num / den[..., None], replace(st, slots=slots, pos=st.pos + 1, n=st.n + 1)
-        phi_q, _, c_q, _ = self._features(q, q, st.n, pos=st.pos)
+        leaving = (st.pos + 1) % W + N   # the slot of the token leaving the window for the next query
+        k_out, v_out = (x.index_select(2, leaving).repeat_interleave(g, 1) for x in (slots.k, slots.v))
+        phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=W - 1)   # (its features again)
         num_l, den_l = st.linear.read(phi_q)
         y, _ = combine_window_linear(num, den, m, num_l, den_l, c_q + st.linear.m[..., None],
                                      self.factor(), self.spec.combine)
-        return y, WindowState(slots, self._fold_leaving(st, slots), st.pos + 1, st.n + 1, N)
-
-    def _fold_leaving(self, st, slots):
-        """st's linear state with the token that leaves the window for the next query folded: the one
-        in the ring's next slot, its features made again at its position (none while that token
-        would come before the sinks' end: the slot is empty then, and weighs 0)."""
-        W, N, g = self.window, st.sinks, self.kv_groups
-        leaving = (st.pos + 1) % W + N                                      # (1,)
-        k, v = (x.index_select(2, leaving).repeat_interleave(g, 1) for x in (slots.k, slots.v))
-        _, phi, _, c = self._features(k, k, st.n + 1 - W, pos=st.pos + 1 - W)   # (B, H, 1, F), (B, H, 1)
-        if st.n + 1 - W < N:
+        if st.n + 1 - W < N:   # that token comes before the sinks' end: its slot is empty and weighs 0
             real = slots.pos.index_select(0, leaving) >= 0                  # (1,) bool
-            phi, c = phi * real, c.masked_fill(~real, NO_KEY)
-        return st.linear.add(phi, v, c if self.shifted else None)
+            phi_k, c_k = phi_k * real, c_k.masked_fill(~real, NO_KEY)
+        linear = st.linear.add(phi_k, v_out, c_k if self.shifted else None)
+        return y, WindowState(slots, linear, st.pos + 1, st.n + 1, N)
 
     def _slots_softmax(self, q, slots):
         """One query per head q (B, H, 1, D) against the slots' pairs (B, H_kv, L, D) where their
@@ -661,7 +696,7 @@ class Diag(Linear):
     """LLN+Diag (Nahshan et al. 2023, Sec. 4.2): the average of linear attention over every token
     and softmax within blocks of diag_block tokens; a step is Linear's beside softmax over its
     block so far."""
-    mode = 'diag'
+    mode, fuses = 'diag', False
     decode = Attention.decode   # tokens after a state: one step each
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
@@ -743,7 +778,7 @@ class Lola(Window):
     the window into a pending block; every cache_block of them, the block and the cache compete
     (lola_select). Prefill and decoding run one schedule, in segments within which the linear part
     is fixed: each ends where a block leaves the softmax part."""
-    mode = 'window'
+    mode, fuses = 'window', False
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         (B, H, _, D), Dv, g, F = q.shape, v.shape[-1], self.kv_groups, self.fmap.feature_dim

@@ -1,6 +1,8 @@
 """
 Causal linear attention in Triton: the naive reference, five kernels in five launches, the
-autograd wrapper, a CUDA benchmark (where the time goes on an H100: docs/RESULTS.md 16.6).
+autograd wrapper; the fused decode step (one token of a layer in one launch, decode_step; its
+reference: hybrids' Linear.step and Window.step); a CUDA benchmark (where the time goes on an H100:
+docs/RESULTS.md 16.6).
 
 What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values
 v (B, H, T, D):
@@ -548,6 +550,176 @@ class CausalLinearAttention(torch.autograd.Function):
         if need_dinit:
             dS0, dz0 = dS0.reshape(B, H, F, D), dz0.reshape(B, H, F)
         return (*grads, dS0, dz0, dc, None, None, None, None, None, None)
+
+# ---- the fused decode step: one token of one layer in one launch ---------------------------------
+if HAS_TRITON:
+    @triton.jit
+    def _unrope(X, offs_d, D, pos, INV_FREQ, NOPE: tl.constexpr):
+        """x (BD,) fp32 from X, and with NOPE rotated back from position pos (RoPE's halves layout:
+        x_i with x_(i + D/2) turned by pos inv_freq_i), as a linear part's map sees it."""
+        x = tl.load(X + offs_d, mask=offs_d < D, other=0.).to(tl.float32)
+        if NOPE:
+            half = D // 2
+            partner = tl.load(X + (offs_d + half) % D, mask=offs_d < D, other=0.).to(tl.float32)
+            angle = pos.to(tl.float32) * tl.load(INV_FREQ + offs_d % half, mask=offs_d < D, other=0.)
+            x = x * tl.cos(angle) + tl.where(offs_d < half, partner, -partner) * tl.sin(angle)
+        return x
+
+    @triton.jit
+    def _features(xq, xk, h, MAP_W, MAP_B, offs_d, D, FW, BU: tl.constexpr, SKIP: tl.constexpr,
+                  LOG: tl.constexpr):
+        """Hedgehog's and LoLCATs' features of a query and a key (BD,) for query head h: u = W_h x + b_h
+        (+ x, LoLCATs' skip), phi = [f(u), f(-u)] (F = 2 FW): f a softmax over each half, or exp (LOG),
+        shifted by c, the largest log-feature -> (phi_q, c_q, phi_k, c_k), phi (2 BU,): feature f at
+        row (f // BU) FW + f % BU of the state."""
+        offs_u = tl.arange(0, BU)
+        w = _tile(MAP_W + h * FW * D, offs_u, offs_d, D, 1, offs_u < FW, offs_d < D)    # (BU, BD)
+        if SKIP:
+            w += tl.where(offs_u[:, None] == offs_d[None, :], 1., 0.)
+        bias = tl.load(MAP_B + h * FW + offs_u, mask=offs_u < FW, other=0.)
+        phi_q, c_q = _activate(tl.sum(w * xq[None, :], 1) + bias, FW, BU, LOG)
+        phi_k, c_k = _activate(tl.sum(w * xk[None, :], 1) + bias, FW, BU, LOG)
+        return phi_q, c_q, phi_k, c_k
+
+    @triton.jit
+    def _activate(u, FW, BU: tl.constexpr, LOG: tl.constexpr):
+        """[f(u), f(-u)] of u (BU,) as (2 BU,): (phi, c) as _features."""
+        offs = tl.arange(0, 2 * BU)
+        first, valid = offs < BU, offs % BU < FW
+        u = tl.where(valid, tl.reshape(tl.permute(tl.join(u, -u), (1, 0)), (2 * BU,)), -float('inf'))
+        c = tl.max(u, 0)
+        if LOG:
+            return tl.exp(u - c), c
+        top = tl.where(first, tl.max(tl.where(first, u, -float('inf')), 0), tl.max(tl.where(first, -float('inf'), u), 0))
+        e = tl.exp(u - top)
+        total = tl.where(first, tl.sum(tl.where(first, e, 0.), 0), tl.sum(tl.where(first, 0., e), 0))
+        return e / total, c * 0.
+
+    @triton.jit
+    def _ring_write(R, R2, x, new, offs_l, offs_d, D, inside):
+        """The slots R (L, D) with x (BD,) in the row where new, stored to R2 (R itself: in place)."""
+        tile = tl.where(new, x[None, :], tl.load(R + offs_l[:, None] * D + offs_d[None, :], mask=inside, other=0.))
+        tl.store(R2 + offs_l[:, None] * D + offs_d[None, :], tile, mask=inside)
+
+    @triton.jit
+    def _fold(S, z, m, phi, c, v):
+        """(S, z, m) with one key added: m' = max(m, c), S' = S e^(m - m') + phi e^(c - m') v^T."""
+        new = tl.maximum(m, c)
+        r, w = tl.exp(m - new).to(tl.float32), tl.exp(c - new).to(tl.float32)
+        return S * r + (w * phi)[:, None] * v[None, :], z * r + w * phi, new
+
+    @triton.jit
+    def _decode_kernel(
+        Q, K, V, Y,               # (B, H, D) this token's q, k and v (GQA-repeated), out y (B, H, D)
+        MAP_W, MAP_B, INV_FREQ,   # the map's (H, FW, D), (H, FW); RoPE's (D/2,) (NOPE)
+        RATE, THETA,              # (H,) decay_rate (DECAY), window_factor (WINDOW)
+        S, Z, M, S2, Z2, M2,      # the linear state (B, H, F, D), (B, H, F), (B, H), in and out
+        RK, RV, RP, RK2, RV2, RP2,   # WINDOW: the slots (B, H / G, L, D) x 2, (L,), in and out
+        POS, H, D, FW, L, W, N,   # (1,) this token's position; the window, its sinks, L = N + W
+        G: tl.constexpr, BD: tl.constexpr, BU: tl.constexpr, BL: tl.constexpr, SKIP: tl.constexpr,
+        LOG: tl.constexpr, NOPE: tl.constexpr, DECAY: tl.constexpr, WINDOW: tl.constexpr,
+        MIX: tl.constexpr,
+    ):
+        """One token of one layer, program (b, j): batch row b, KV head j and its G query heads. The
+        state goes from (S, .., RP) to (S2, .., RP2): new buffers, or the same ones (a CUDA graph's).
+            Linear   fold the token into (S, z, m); y = phi(q) S / phi(q) z
+            Window   write the token into its slot (its sink's while pos < N, else N + pos % W);
+                     softmax over the slots; the linear part read as it was; joint or mix combine;
+                     fold the token leaving the window for the next query (features made again)"""
+        b, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs_d, offs_f, offs_l = tl.arange(0, BD), tl.arange(0, 2 * BU), tl.arange(0, BL)
+        mask_d, F, pos = offs_d < D, 2 * FW, tl.load(POS)
+        rows_f, mask_f = offs_f // BU * FW + offs_f % BU, offs_f % BU < FW   # feature f's row of S
+        kv = (b * H + j * G) * D                                   # the KV head's k and v
+        k = tl.load(K + kv + offs_d, mask=mask_d, other=0.).to(tl.float32)
+        v = tl.load(V + kv + offs_d, mask=mask_d, other=0.).to(tl.float32)
+        at, kn = pos, _unrope(K + kv, offs_d, D, pos, INV_FREQ, NOPE)   # the key to fold, as maps see it
+        if WINDOW:   # the slots with this token written; the token leaving for the next query: at, kn, v
+            ring, slot = (b * (H // G) + j) * L * D, tl.where(pos < N, pos, N + pos % W)
+            new, inside = offs_l[:, None] == slot, (offs_l < L)[:, None] & mask_d[None, :]
+            p = tl.where(offs_l == slot, pos, tl.load(RP + offs_l, mask=offs_l < L, other=-1))
+            _ring_write(RK + ring, RK2 + ring, k, new, offs_l, offs_d, D, inside)
+            _ring_write(RV + ring, RV2 + ring, v, new, offs_l, offs_d, D, inside)
+            tl.store(RP2 + offs_l, p, mask=offs_l < L)
+            leaving, at = N + (pos + 1) % W, pos + 1 - W
+            real = tl.load(RP + leaving) >= 0
+            v_out = tl.load(RV + ring + leaving * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
+            kn = _unrope(RK + ring + leaving * D, offs_d, D, at, INV_FREQ, NOPE)
+        for i in range(G):
+            h = j * G + i
+            row = b * H + h
+            qn = _unrope(Q + row * D, offs_d, D, pos, INV_FREQ, NOPE)
+            phi_q, c_q, phi_k, c_k = _features(qn, kn, h, MAP_W, MAP_B, offs_d, D, FW, BU, SKIP, LOG)
+            c_q, c_k = c_q.to(tl.float64), c_k.to(tl.float64)
+            if DECAY:   # lambda^(t - s) as shifts, in float64 as hybrids' (g = exp(decay_rate))
+                g = tl.exp(tl.load(RATE + h).to(tl.float64))
+                c_q, c_k = c_q - g * pos, c_k + g * at
+            if WINDOW:   # the softmax part first (the slots), then the linear state
+                q = tl.load(Q + row * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
+                Kw = tl.where(new, k[None, :], _tile(RK + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d))
+                s = tl.where(p >= 0, tl.sum(Kw * q[None, :], 1) / tl.sqrt(D.to(tl.float32)), -float('inf'))
+                a = tl.exp(s - tl.max(s, 0))                               # (BL,) the window's weights
+                Vw = tl.where(new, v[None, :], _tile(RV + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d))
+                y_w = tl.sum(a[:, None] * Vw, 0) / tl.sum(a, 0)
+            S_h = _tile(S + row * F * D, rows_f, offs_d, D, 1, mask_f, mask_d)
+            z_h = tl.load(Z + row * F + rows_f, mask=mask_f, other=0.)
+            m_h = tl.load(M + row).to(tl.float64)
+            if WINDOW:
+                num, den = tl.sum(phi_q[:, None] * S_h, 0), tl.sum(phi_q * z_h, 0)
+                share = 1. / (1. + tl.exp(-tl.load(THETA + h)))          # the window factor
+                if not MIX:   # joint: the window part's share of gamma den_w + exp(c) den
+                    c = (c_q + m_h).to(tl.float32)
+                    share = 1. / (1. + tl.exp(c + tl.log(tl.where(den > 0, den, 1.)) - tl.log(share * tl.sum(a, 0))))
+                y_l = tl.where(den > 0, num / tl.where(den > 0, den, 1.), 0.)
+                y = y_l + tl.where(den > 0, share, 1.) * (y_w - y_l)
+                if LOG or DECAY:   # (an empty slot: no key; else as a map without shifts, c = 0)
+                    c_k = tl.where(real, c_k, -1e30)
+                S_h, z_h, m_h = _fold(S_h, z_h, m_h, tl.where(real, phi_k, 0.), c_k, v_out)
+            else:
+                S_h, z_h, m_h = _fold(S_h, z_h, m_h, phi_k, c_k, v)
+                num, den = tl.sum(phi_q[:, None] * S_h, 0), tl.sum(phi_q * z_h, 0)
+                y = tl.where(den > 0, num / tl.where(den > 0, den, 1.), 0.)
+            tl.store(Y + row * D + offs_d, y.to(Y.dtype.element_ty), mask=mask_d)
+            _store_state(S2 + row * F * D, Z2 + row * F, S_h, z_h, rows_f, offs_d, D, mask_f, mask_d, 0)
+            tl.store(M2 + row, m_h.to(M2.dtype.element_ty))
+
+def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, window=0, sinks=0,
+                skip=False, log=False, mix=False, theta=None, rate=None, inv_freq=None, in_place=False):
+    """One token of one layer's heads with a Hedgehog or LoLCATs map, in one launch of
+    _decode_kernel (its reference: hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v
+    GQA-repeated; pos (1,) long: the token's position; map_w (H, FW, D), map_b (H, FW); linear (S,
+    z, m); slots (k, v, pos) of a window (None: linear attention alone); theta, rate: the window
+    factor and the decay rate, raw, (H,); inv_freq: RoPE's (nope). in_place: the state's own buffers
+    are written (a CUDA graph's). -> y (B, H, 1, D) in v's dtype, the new linear state and slots."""
+    (B, H, _, D), FW = q.shape, map_w.shape[1]
+    q, k, v, *state = (x.contiguous() for x in (q, k, v, *linear, *(slots or ())))
+    linear, slots = state[:3], state[3:] or None
+    out = [(x if in_place else torch.empty_like(x)) for x in state]
+    y = torch.empty_like(v)
+    L = slots[0].shape[2] if slots else 1
+    some = slots[2] if slots else pos   # (an unused pointer where a part is off)
+    with _on_device(v), torch.profiler.record_function('triton::decode_step'):   # (eval.step_ops counts it)
+        _decode_kernel[(B, H // kv_groups)](
+            q, k, v, y, map_w, map_b, inv_freq if inv_freq is not None else map_b,
+            rate if rate is not None else map_b, theta if theta is not None else map_b,
+            *linear, *out[:3], *(slots or (some,) * 3), *(out[3:] or (some,) * 3), pos, H, D, FW, L,
+            max(window, 1), sinks, G=kv_groups, BD=triton.next_power_of_2(D),
+            BU=triton.next_power_of_2(FW), BL=triton.next_power_of_2(L), SKIP=skip, LOG=log,
+            NOPE=inv_freq is not None, DECAY=rate is not None, WINDOW=slots is not None, MIX=mix,
+            num_warps=decode_warps(2 * FW, D))
+    return y, tuple(out[:3]), tuple(out[3:]) or None
+
+def _tile_size(n):
+    return 1 << (n - 1).bit_length()   # the power of two a tile of n rounds up to
+
+def decode_fits(F, D, L=1):
+    """Whether the fused decode step holds its tiles, F x D and the L slots x D rounded up to powers of
+    two, within 8,192 values, where it compiles without spills (tests/test_kernels_compile.py)."""
+    return _tile_size(F) * _tile_size(D) <= 8192 and _tile_size(L) * _tile_size(D) <= 8192
+
+def decode_warps(F, D):
+    """The fused decode step's warps: 4 for tiles up to 64 x 32, 8 above (no spills on sm_80, sm_90)."""
+    return 4 if _tile_size(F) * _tile_size(D) <= 2048 else 8
 
 def supports(F, D):
     """Whether the kernel handles feature dim F and value dim D (Taylor's F = 1 + D + D^2: not)."""

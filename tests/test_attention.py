@@ -758,7 +758,6 @@ def test_attn_spec_fields_aliases_and_defaults():
     ('hedgehog:combine=sum:window=4', "unknown window combine 'sum'; choose one of: joint, mix"),
     ('hedgehog:combine=mix', "set window"),
     ('hedgehog:impl=fast', "unknown impl 'fast'; choose one of: quadratic, chunked, recurrent, triton"),
-    ('hedgehog:window=4:impl=triton', "no triton path"),
     ('hedgehog:window=-1', ">= 0"),
     ('hedgehog:window', "expected name:key=value"),
     ('hedgehog:f=8:feature_dim=8', "distinct keys"),

@@ -7,6 +7,8 @@ Thresholds are relative errors ||a - b|| / ||b|| against a float64 reference:
   fp16 inputs: 5e-3 (inputs rounded to fp16, 10-bit mantissa; fp32 accumulation)
   bf16 inputs: 3e-2 (inputs rounded to bf16, 7-bit mantissa; fp32 accumulation)
 """
+import copy
+import dataclasses
 import math
 import os
 import subprocess
@@ -490,3 +492,128 @@ def test_large_shifts_keep_their_precision():
     want = K.causal_linear_attention_reference(q, k, v, c_k=c)
     got = K.causal_linear_attention(q.float(), k.float(), v.float(), c_k=c, chunk_size=64)
     assert rel(got, want) < 2e-6
+
+
+FUSED_SPECS = ['hedgehog', 'lolcats', 'hedgehog:softmax_dim=false:decay=8', 'lolcats:activation=exp', 'hedgehog:nope=1',
+               'lolcats:window=4', 'lolcats:window=4:sinks=6', 'lolcats:window=4:combine=mix:sinks=2',
+               'lolcats:window=3:decay=8:nope=1', 'hedgehog:window=4:softmax_dim=false:sinks=1',
+               'lolcats:window=4:exact=1:nope=1']
+
+
+def _cores(spec, D=8, H=4, G=2):
+    """The spec's core with impl=triton and its twin on the PyTorch step (impl=chunked on the CPU, or under grad),
+    parameters moved off their init so that every term counts."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    fused = Hy.Attention(spec + ':impl=triton', D, H, kv_groups=G, rope_inv_freq=inv_freq).eval()
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    ref = Hy.Attention(spec, D, H, kv_groups=G, rope_inv_freq=inv_freq).eval()
+    ref.load_state_dict(fused.state_dict())
+    return fused.to(DEV), ref.to(DEV)
+
+
+@needs_kernel
+@pytest.mark.parametrize('spec', FUSED_SPECS)
+@pytest.mark.parametrize('prefill', [3, 9])
+def test_fused_decode_step_equals_the_pytorch_step_and_the_parallel_form(spec, prefill):
+    """Issue 53: the fused one-launch decode step (kernels.decode_step) gives the PyTorch step's output and state
+    (its reference: hybrids' Linear.step, Window.step) and the parallel form's output, token after token across the
+    ring's wrap, before and after the sinks fill, with a decay, nope, GQA (2 query heads a KV head), batch 2 and an
+    exact head beside it, fp32 within 1e-5."""
+    fused, ref = _cores(spec)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 17, 8, generator=g).to(DEV)
+    k, v = (torch.randn(2, 2, 17, 8, generator=g).repeat_interleave(2, 1).to(DEV) for _ in range(2))
+    with torch.no_grad():
+        y = ref(q, k, v)
+        _, st = ref(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], return_state=True)
+        st_ref, outs = st, []
+        for t in range(prefill, 17):
+            x = [a[:, :, t:t + 1] for a in (q, k, v)]
+            yt, st = fused(*x, state=st, return_state=True)
+            with torch.enable_grad():   # (under grad the step is PyTorch's)
+                want, st_ref = ref(*x, state=st_ref, return_state=True)
+            outs.append(yt)
+            assert rel(yt, want) < 1e-5
+            for a, b in zip(Hy.state_tensors(st), Hy.state_tensors(st_ref)):
+                assert a.shape == b.shape and rel(a.double().nan_to_num(), b.double().nan_to_num()) < 1e-5
+    assert rel(torch.cat(outs, 2), y[:, :, prefill:]) < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_decode_step_error_is_flat_in_the_position(dtype):
+    """Issue 53: fp32, bf16 and fp16 inputs (fp32 inside, the decay's shifts in float64): the fused step against the
+    float64 PyTorch step on the same rounded inputs, within 1e-5 (fp32) or 2 eps(dtype) of max|y|, at position 20 as
+    at 65,536, with a decay (half-life 16) and nope."""
+    fused, ref = _cores('lolcats:window=8:decay=16:nope=1', D=16)
+    ref64 = copy.deepcopy(ref).double()
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    for T in (20, 65536):
+        g = torch.Generator().manual_seed(T)
+        q, k, v = (torch.randn(1, 4, T + 2, 16, generator=g).to(DEV) for _ in range(3))
+        k, v = k[:, ::2].repeat_interleave(2, 1), v[:, ::2].repeat_interleave(2, 1)
+        with torch.no_grad():
+            _, st = ref(q[:, :, :T], k[:, :, :T], v[:, :, :T], return_state=True)
+            st64 = _as(st, torch.float64)
+            for t in (T, T + 1):
+                x = [a[:, :, t:t + 1].to(dtype) for a in (q, k, v)]
+                y, st = fused(*x, state=st, return_state=True)
+                y64, st64 = ref64(*(a.double() for a in x), state=st64, return_state=True)
+                assert y.dtype == dtype and (y.double() - y64).abs().max() <= tol * y64.abs().max(), (T, t)
+
+
+def _as(state, dtype):
+    """A copy of a decode state, its floating tensors in dtype."""
+    if torch.is_tensor(state):
+        return state.to(dtype) if state.is_floating_point() else state.clone()
+    if dataclasses.is_dataclass(state):
+        return dataclasses.replace(state, **{f.name: _as(getattr(state, f.name), dtype) for f in dataclasses.fields(state)})
+    return state
+
+
+@needs_kernel
+@pytest.mark.parametrize('spec', ['hedgehog', 'lolcats:window=4:nope=1', 'lolcats:window=4:exact=0:decay=8'])
+def test_fused_step_in_a_model_generates_as_the_pytorch_step(spec):
+    """Issue 53: a 2-layer Llama (GQA) decodes the same tokens with impl=triton as with the PyTorch step, each step's
+    logits within 1e-4."""
+    import model as M
+    cfg = dict(family='llama', vocab_size=100, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+               bias=False, intermediate_size=64)
+    torch.manual_seed(0)
+    fused = M.build(M.GPTConfig(**cfg, attn=spec + ':impl=triton')).to(DEV).eval()
+    ref = M.build(M.GPTConfig(**cfg, attn=spec)).to(DEV).eval()
+    ref.load_state_dict(fused.state_dict())
+    prompt = torch.randint(0, 100, (2, 7), device=DEV)
+    (a, sa), (b, sb) = fused.prefill(prompt), ref.prefill(prompt)
+    for t in range(7, 15):
+        a, sa = fused.decode_step(a.argmax(-1), torch.full((1,), t, device=DEV), sa)
+        with torch.enable_grad():   # (the reference's step: PyTorch's, as under grad on any device)
+            h, sb = ref.hidden_states(b.argmax(-1)[:, None], t, sb, return_state=True)
+            b = ref.lm_head(h[:, -1]).detach()
+        assert torch.equal(a.argmax(-1), b.argmax(-1)) and rel(a, b) < 1e-4, t
+
+
+@needs_kernel
+def test_fused_step_issues_about_the_softmax_steps_kernels(capsys):
+    """Issue 53: one decode step of a 2-layer Llama of SmolLM2's head shape (9 query, 3 KV heads of 64) issues at most
+    1.1x the softmax step's kernels (eval.step_ops: top-level aten ops and Triton launches) with impl=triton for
+    hedgehog, w64 and w64 with nope; with an exact head, its own softmax step and the split come on top (RESULTS
+    6.6). Printed as a table (pytest -s)."""
+    import eval as ev
+    import model as M
+    counts = {}
+    for spec in ('softmax', 'hedgehog', 'lolcats:window=64', 'lolcats:window=64:nope=1', 'lolcats:window=64:exact=0'):
+        torch.manual_seed(0)
+        m = M.build(M.GPTConfig(family='llama', vocab_size=100, block_size=256, n_layer=2, n_head=9, n_kv_head=3,
+                                n_embd=576, bias=False, intermediate_size=64,
+                                attn=spec + ':impl=triton' * (spec != 'softmax'))).to(DEV).eval()
+        logits, states = m.prefill(torch.randint(0, 100, (1, 64), device=DEV))
+        tok, pos = logits.argmax(-1), torch.full((1,), 64, device=DEV)
+        counts[spec] = ev.step_ops(lambda: m.decode_step(tok, pos, states))
+    with capsys.disabled():
+        print('\n' + '\n'.join(f'{s:28s} {n:4d} {n / counts["softmax"]:.3f}x' for s, n in counts.items()))
+    assert all(counts[s] <= 1.1 * counts['softmax'] for s in ('hedgehog', 'lolcats:window=64',
+                                                               'lolcats:window=64:nope=1'))
+    assert counts['lolcats:window=64:exact=0'] <= 1.3 * counts['softmax']
