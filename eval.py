@@ -705,7 +705,7 @@ def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,),
     the state of the first L - DECODE_STEPS - 2 tokens of B random rows (the KV cache or recurrent state generation
     would hold), then Timer.timeit runs 2 warm-up and DECODE_STEPS timed steps up to L (their mean): model.decode_step,
     or with graph the step replayed as a CUDA graph (model.DecodeGraph); tokens/s: B / time per step. aten_ops: the
-    top-level aten ops of one eager step. Memory: the attention state (exact) and the process RSS. Random models of
+    kernels of one eager step (step_ops). Memory: the attention state (exact) and the process RSS. Random models of
     softmax and each map, or `model`'s attention against its softmax teacher (teacher=False: alone)."""
     rows, own = [], specs if model is None else [(describe_attention(model), None)]
     for label, spec in [('softmax', attention.AttnSpec())] * (model is None or teacher) + own:
@@ -734,7 +734,7 @@ def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,),
                              'state_mb': m.decode_state_nbytes(run['states']) / 2**20})
                 del run, states, logits
                 log(f'  decode {name:12s} at {L:6d} tokens: {sec * 1e3:7.3f} ms/token, {B / sec:9.1f} tokens/s, '
-                    f'{ops} aten ops, state {rows[-1]["state_mb"]:9.3f} MB, RSS {rows[-1]["rss_mb"] or 0:8.1f} MB')
+                    f'{ops} kernels, state {rows[-1]["state_mb"]:9.3f} MB, RSS {rows[-1]["rss_mb"] or 0:8.1f} MB')
     return rows
 
 BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
@@ -743,9 +743,10 @@ BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
     'prefill': ('T', ('ms', 'peak_mb'), 'Model prefill (gpt2-style, 2 layers, 12 heads, n_embd 768, vocab 256), median '
                 'ms / peak extra memory MB', lambda r: f'{r["ms"]:.1f} ms / {r["peak_mb"] or 0:.1f}'),
     'decode': ('length', ('ms_per_token', 'state_mb'), 'Decode ({decode_model}), per-token ms (tokens/s), attention '
-               'state MB, process RSS MB, aten ops per step, vs generated length', lambda r: f'{r["ms_per_token"]:.3f} '
+               'state MB, process RSS MB, kernels (aten ops, Triton launches) per step, vs generated length',
+               lambda r: f'{r["ms_per_token"]:.3f} '
                f'ms ({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, RSS {r["rss_mb"] or 0:.0f}, '
-               f'{r["aten_ops"]} ops')}
+               f'{r["aten_ops"]} kernels')}
 
 def bench_markdown(res):
     """A table per part, a row per length, a column per map; decode: longest over shortest length, per map."""

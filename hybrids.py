@@ -275,17 +275,15 @@ class SplitState:
     rest: object
 
 class Attention(nn.Module):
-    """The attention of one layer, chosen by an AttnSpec (or its string). Attention(spec, ...) builds
-    the family's class (section 4), fixed for the layer's life: Softmax (exact, or every head
-    exact), Linear, Window (the sliding-window hybrid; sliding-window softmax alone without a map),
-    Lola (the window with LoLA's cache), Diag (LLN+Diag). This base holds what they share: the
-    feature map (one per query head) and its decay, the exact heads (spec exact=: the query heads of
-    those KV heads run the Softmax family's functions with a KV cache of their own, the others the
-    family: SplitState), float32 inside, the q and k the maps see (nope). A family writes
-    parallel (all tokens from the start) and step (one token after a state); decode (tokens after a
-    state) runs the steps unless the family has a faster way. max_len: cosformer's M unless the spec
-    sets it (the model's block_size). share: after a window forward, each row's share of attention
-    on the softmax part (B, H_rest, T), detached.
+    """The attention of one layer, chosen by an AttnSpec (or its string): Attention(spec, ...) builds
+    the family's class (section 4): Softmax (or every head exact), Linear, Window (sliding-window
+    softmax alone without a map), Lola, Diag. This base holds what they share: the feature map (one
+    per query head), its decay, the exact heads (spec exact=: the Softmax family's functions on
+    those KV heads' query heads, with a KV cache of their own: SplitState), float32 inside, the q, k
+    the maps see (nope). A family writes parallel (all tokens from the start) and step (one token
+    after a state); decode (tokens after a state) runs the steps unless it has a faster way. max_len:
+    cosformer's M unless the spec sets it. share: a window forward's share of attention on the
+    softmax part per row (B, H_rest, T), detached.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
@@ -332,13 +330,8 @@ class Attention(nn.Module):
         self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would cast
         if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
             self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),), math.log(math.log(2) / spec.decay)))
-        fm = self.fmap   # the fused decode step's maps: Hedgehog's, LoLCATs' with its skip whole
-        self.fusable = self.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') \
-            and (fm.weight.shape[1] == head_dim or type(fm) is A.HedgehogFeatureMap) and self.window != 1 \
-            and kernels.decode_fits(fm.feature_dim, head_dim, spec.sinks + spec.window)
-        if spec.impl == 'triton' and self.mode == 'window' and not self.fusable:
-            raise UsageError(f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog "
-                             "or lolcats map with softmax or exp features, a window of 2 or more")
+        self.shifted = self.fmap is not None and (self.fmap.log_domain or bool(spec.decay))   # keys' shifts not 0
+        self.fusable = fusable(self)
 
     window = property(lambda self: self.spec.window)
 
@@ -386,10 +379,6 @@ class Attention(nn.Module):
         eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
         return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
-    def _positions(self, q, start):
-        """The positions of q's tokens, (T,) long on q's device: from start (an int, or a (1,) tensor)."""
-        return torch.arange(q.shape[2], device=q.device) + start
-
     def map_inputs(self, q, k, start=0, back=0):
         """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position 0
         from positions start..start+T-1 (k's: `back` positions earlier); as given otherwise."""
@@ -397,7 +386,7 @@ class Attention(nn.Module):
             return q, k
         if self.inv_freq.device != q.device:   # once per device, before any graph capture
             self.inv_freq = self.inv_freq.to(q.device)
-        t = self._positions(q, start)
+        t = _positions(q, start)
         angle = (torch.stack([t, t - back])[..., None] * self.inv_freq).repeat(1, 1, 2)[:, None, None]   # (2, 1, 1, T, D)
         return A.apply_rope(torch.stack([q, k]), angle.cos(), -angle.sin()).unbind(0)
 
@@ -419,14 +408,9 @@ class Attention(nn.Module):
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         if self.spec.decay:
-            g, t = torch.exp(self.decay_rate).double()[:, None], self._positions(q, start)   # (H, 1), (T,)
+            g, t = torch.exp(self.decay_rate).double()[:, None], _positions(q, start)   # (H, 1), (T,)
             c_q, c_k = c_q - g * t, c_k + g * (t - back)
         return phi_q, phi_k, c_q, c_k
-
-    @property
-    def shifted(self):
-        """Whether the keys' shifts can be other than 0: exp-based maps, or a decay."""
-        return self.fmap is not None and (self.fmap.log_domain or bool(self.spec.decay))
 
     @torch.no_grad()
     def calibrate(self, q, k, key_padding_mask=None):
@@ -437,6 +421,10 @@ class Attention(nn.Module):
             q, k = self.map_inputs(q[:, self.rest_q], k[:, self.rest_q])   # (B, H, T, D) each
             real = _real(q, key_padding_mask)
             self.fmap.calibrate(*(x.transpose(1, 2)[real].transpose(0, 1)[None] for x in (q, k)))
+
+def _positions(q, start):
+    """The positions of q's tokens, (T,) long on q's device: from start (an int, or a (1,) tensor)."""
+    return torch.arange(q.shape[2], device=q.device) + start
 
 def _real(q, key_padding_mask):
     """(B, T) bool, True at the real tokens of q (B, H, T, D)."""
@@ -553,6 +541,18 @@ class Linear(Attention):
         phi_q, phi_k, _, c_k = self._features(q, k, st.n, pos=st.pos)
         linear = st.add(phi_k, v, c_k if self.shifted else None)
         return divide(*linear.read(phi_q)), linear
+
+def fusable(core):
+    """Whether core's step can run fused: the Linear and Window families with Hedgehog's map or LoLCATs'
+    (its skip the whole width), softmax or exp features, tiles kernels.decode_fits holds."""
+    fm, spec = core.fmap, core.spec
+    ok = core.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') and \
+        (fm.weight.shape[1] == core.head_dim or type(fm) is A.HedgehogFeatureMap) and core.window != 1 and \
+        kernels.decode_fits(fm.feature_dim, core.head_dim, spec.sinks + spec.window)
+    if spec.impl == 'triton' and core.mode == 'window' and not ok:
+        raise UsageError(f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog or "
+                         "lolcats map with softmax or exp features, a window of 2 or more")
+    return ok
 
 def fused(core, x):
     """Whether core's one-token step on x runs fused_step: under torch.no_grad() (the kernel has no

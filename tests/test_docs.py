@@ -113,7 +113,7 @@ def test_python_snippets_run(doc, stand_ins):
     assert M.load('out/ckpt.pt')[0].config.attn == 'elu' if doc == 'README.md' else True
 
 
-READS, HUB = ('--data', '--val_data', '--ckpt', '--init_from', '--lm_eval_include'), {'gpt2'}   # (a hub name)
+READS, HUB = ('--data', '--val_data', '--ckpt', '--init_from', '--lm_eval_include'), {'gpt2', 'meta-llama/Meta-Llama-3-8B'}   # (hub names)
 
 
 def out_dir(argv):
