@@ -712,7 +712,7 @@ def test_step_makes_no_host_copy_and_reads_no_value(spec, monkeypatch):
 
 
 @pytest.mark.parametrize('spec', ['lolcats:window=4:sinks=1', 'lolcats:window=4:exact=0', 'lln:diag_block=3',
-                                  'softmax:window=4', 'hedgehog:decay=4:nope=1'])
+                                  'softmax:window=4', 'hedgehog:decay=4:nope=1', 'lolcats:window=3:cache=2:cache_block=2'])
 def test_decode_branches_from_one_state(spec):
     """Issue 52 in a model: from the states after a prompt, branch a decodes 3 tokens, then branch b 2 other tokens
     from the same states; each step's logits equal a full forward on that branch's tokens (before the fix b's were
