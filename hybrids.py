@@ -72,10 +72,11 @@ def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joi
     exp(c) den_l, compared in log space. A row without linear keys is the window part, one without
     window keys the linear part, 0 with neither. Returns y and p, float32."""
     has_w, has_l = den_w > 0, den_l > 0
-    y_w, y_l = divide(num_w, den_w), divide(num_l, den_l)             # each part normalised
+    den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
+    y_w, y_l = num_w / den_w[..., None], num_l / den_l[..., None]      # each part normalised
     f = factor.to(den_w.dtype).view(-1, *([1] * (den_w.dim() - 2)))   # (H, 1..) against (B, H, ..)
-    logits = f.log() + den_w.where(has_w, 1.0).log() - c.to(den_w.dtype) - den_l.where(has_l, 1.0).log()
-    p = torch.sigmoid(logits) if combine == 'joint' else f.expand_as(den_w)
+    p = torch.sigmoid(f.log() + den_w.log() - c.to(den_w.dtype) - den_l.log()) if combine == 'joint' else \
+        f.expand_as(den_w)
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)
     return y_l + p[..., None] * (y_w - y_l), p
 
