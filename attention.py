@@ -94,7 +94,6 @@ class FeatureMap(nn.Module):
     features while the keys' scales lie within float32's range (e^+-87). shift=False: no shifts."""
 
     log_domain = False
-    same_for_q_and_k = True
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
@@ -121,8 +120,8 @@ class FeatureMap(nn.Module):
 
     def _sides(self, fn, q, k, offset):
         """fn(q, 'q', offset), fn(k, 'k', offset); in one call on q and k stacked (2, B, H, T, D)
-        where the map treats the two alike (all but LLN) and they have one shape."""
-        if self.same_for_q_and_k and q.shape == k.shape:
+        where they have one shape (LLN, which treats the two differently, overrides it)."""
+        if q.shape == k.shape:
             return fn(torch.stack([q, k]), 'qk', offset).unbind(0)
         return fn(q, 'q', offset), fn(k, 'k', offset)
 
@@ -390,7 +389,6 @@ class LLNFeatureMap(FeatureMap):
     forward, so causal; frozen in eval mode."""
 
     log_domain = True
-    same_for_q_and_k = False
 
     def __init__(self, head_dim, n_heads, momentum: float = 0.1, match: str = 'paper'):
         super().__init__(head_dim, n_heads)
