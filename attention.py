@@ -345,8 +345,7 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
         return -(log_w.exp() * log_w).sum(-1).mean().item()
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-    h_sm = [entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()]
-    h_sm = torch.tensor(h_sm, dtype=torch.float64)
+    h_sm = s2_grid.new_tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()])
     xs, h_lln = [0.0], [math.log(n_tokens)]  # s~^2 = 0: uniform weights
     while h_lln[-1] > h_sm[-1].item() and xs[-1] < 1000:
         xs.append(xs[-1] + step)
