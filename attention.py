@@ -29,8 +29,7 @@ import torch.nn.functional as nnf   # F is the feature dimension
 
 import kernels
 
-# the key shift of a key that is not there (padding, sinks), and the running max of a row seeing none
-NO_KEY = -1e30
+NO_KEY = -1e30   # a missing key's shift (padding, sinks), and the running max of a row seeing none
 
 class UsageError(ValueError):
     """What the user asked for cannot be done (a flag, a spec, a path, a file's contents): the
@@ -455,11 +454,10 @@ def _fits(value, annotation):
 @dataclass(frozen=True)
 class AttnSpec:
     """The attention of a layer as 'name[:key=value..]': 'softmax', 'hedgehog:feature_dim=64',
-    'exp:t=2', 'lolcats:window=64:combine=mix', 'lln:diag_block=64'. parse reads it, str() writes it
-    without defaults. Keys other than the settings below are the map's options (t = temperature, f =
-    feature_dim), typed by the map's __init__ annotations; values are JSON where they parse (a str
-    setting or option: as written). A changed copy: dataclasses.replace(spec, impl='recurrent')
-    (options may be a dict)."""
+    'exp:t=2', 'lolcats:window=64:combine=mix'. parse reads it, str() writes it without defaults.
+    Keys besides the settings below are the map's options (t = temperature, f = feature_dim), typed
+    by its __init__'s annotations; values are JSON where they parse (a str setting or option: as
+    written). A changed copy: dataclasses.replace(spec, impl='recurrent') (options: a dict too)."""
     name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
     window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs), or alone for softmax
     sinks: int = 0            # the first tokens, kept in the window's softmax part (StreamingLLM)
