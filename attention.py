@@ -192,8 +192,7 @@ class PerformerFeatureMap(FeatureMap):
     def features(self, q, k, offset=0):
         if self.training and self.redraw_interval > 0:
             if self.calls > 0 and self.calls % self.redraw_interval == 0:
-                self.omega.copy_(_orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim,
-                                                      self.generator))
+                self.omega.copy_(_orthogonal_gaussian(*self.omega.shape, self.generator))
             self.calls += 1
         return super().features(q, k, offset)
 
@@ -204,9 +203,8 @@ class PerformerFeatureMap(FeatureMap):
 
 class CosformerFeatureMap(FeatureMap):
     """cosFormer (Qin et al. 2022, Eq. 9-11): phi(x_i) = [ReLU(x_i) cos(pi i / 2M), ReLU(x_i) sin(pi
-    i / 2M)], so phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len
-    (default 2048, the model's context length), fixed: no output depends on the tokens that follow
-    (the paper uses the length)."""
+    i / 2M)]: phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len
+    (default 2048, the context length), fixed where the paper takes the length, so causal."""
 
     def __init__(self, head_dim, n_heads, max_len: int = 2048):
         super().__init__(head_dim, n_heads)
