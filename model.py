@@ -1,5 +1,4 @@
-"""
-One transformer for the three model families the linear-attention papers convert, and every way to load it.
+"""One transformer for the three model families the linear-attention papers convert, and every way to load it.
 
 The families, as a config switch rather than three copies of the code:
 - GPT-2: learned positions, pre-LayerNorm, GELU (tanh) MLP, tied embeddings, causal;
@@ -120,8 +119,7 @@ class ShortConv(nn.Module):
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.eye(kernel_size)[-1].repeat(channels, 1))   # (C, K); last tap = current
 
-    def forward(self, x, past=None):
-        # x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)
+    def forward(self, x, past=None):   # x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)
         xx = F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None else torch.cat([past.to(x.dtype), x], dim=1)
         y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=x.size(-1))  # (B, C, T)
         return y.transpose(1, 2), xx[:, x.size(1):]                 # xx (B, K-1+T, C): its last K-1 rows
