@@ -1,14 +1,11 @@
-"""
-Attention, softmax and linear, in one file. In reading order:
+"""Attention, softmax and linear, in one file. In reading order:
   1. softmax attention, the reference (Vaswani et al. 2017)
   2. feature maps phi (FEATURE_MAPS): Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of
      Freedom (DoF), baselines
   3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
-  4. linear attention four ways (impl: quadratic, chunked, recurrent, triton), equal to float32
-     precision
+  4. linear attention, four impls (quadratic, chunked, recurrent, triton) equal to float32 precision
   5. metrics (entropy, spectral gap, monotonicity, KL) and DoF's kernel loss
-The hybrids, the decode states and the core of one layer (`Attention`) that model.py calls are in
-hybrids.py.
+The hybrids, the decode states and the layer core model.py calls (`Attention`) are in hybrids.py.
 
 Linear attention, for one head (Katharopoulos et al. 2020, Eq. 4-6):
     y_t = phi(q_t)^T S_t / phi(q_t)^T z_t
@@ -32,8 +29,7 @@ import torch.nn.functional as nnf   # F is the feature dimension
 
 import kernels
 
-# the key shift of a key that is not there (padding, sinks), and the running max of a row seeing none
-NO_KEY = -1e30
+NO_KEY = -1e30   # a missing key's shift (padding, sinks), and the running max of a row seeing none
 
 class UsageError(ValueError):
     """What the user asked for cannot be done (a flag, a spec, a path, a file's contents): the
@@ -94,7 +90,6 @@ class FeatureMap(nn.Module):
     features while the keys' scales lie within float32's range (e^+-87). shift=False: no shifts."""
 
     log_domain = False
-    same_for_q_and_k = True
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
@@ -107,8 +102,7 @@ class FeatureMap(nn.Module):
 
     def features(self, q, k, offset=0):
         """(phi_q, phi_k, c_q, c_k), c (B, H, T): phi(q) = phi_q exp(c_q), phi(k) = phi_k exp(c_k),
-        float32 (float64 for float64 inputs) also under autocast; the shifts are 0 for maps that are
-        not exp-based."""
+        float32 (float64 inputs: float64) also under autocast; c = 0 for maps not exp-based."""
         check_qk(q, k, self.head_dim, self.n_heads)
         with torch.autocast(q.device.type, enabled=False):
             q, k = acc(q), acc(k)
@@ -121,8 +115,8 @@ class FeatureMap(nn.Module):
 
     def _sides(self, fn, q, k, offset):
         """fn(q, 'q', offset), fn(k, 'k', offset); in one call on q and k stacked (2, B, H, T, D)
-        where the map treats the two alike (all but LLN) and they have one shape."""
-        if self.same_for_q_and_k and q.shape == k.shape:
+        where they have one shape (LLN, which treats the two differently, overrides it)."""
+        if q.shape == k.shape:
             return fn(torch.stack([q, k]), 'qk', offset).unbind(0)
         return fn(q, 'q', offset), fn(k, 'k', offset)
 
@@ -146,8 +140,7 @@ class EluFeatureMap(FeatureMap):
         return nnf.elu(x) + 1
 
 class ReluFeatureMap(FeatureMap):
-    """phi(x) = ReLU(x) (Kasai et al. 2021; cosFormer, Qin et al. 2022, without its re-weighting);
-    F = D."""
+    """phi(x) = ReLU(x), F = D (Kasai et al. 2021; cosFormer, Qin et al. 2022, no reweighting)."""
 
     def phi(self, x, which, offset):
         return nnf.relu(x)
@@ -169,8 +162,7 @@ class T2RFeatureMap(FeatureMap):
 
 def _orthogonal_gaussian(n_heads, m, d, generator=None):
     """(n_heads, m, d) orthogonal random features (Choromanski et al. 2020, Sec. 2.4): blocks of d
-    orthogonal rows (QR of a Gaussian, signs fixed so the rotation is Haar), each rescaled to a N(0,
-    I_d) draw's norm."""
+    orthogonal rows (Haar: QR of a Gaussian, signs fixed), each with a N(0, I_d) draw's norm."""
     def rotation():
         qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
         return (qmat * torch.sign(torch.diagonal(r))).T
@@ -200,8 +192,7 @@ class PerformerFeatureMap(FeatureMap):
     def features(self, q, k, offset=0):
         if self.training and self.redraw_interval > 0:
             if self.calls > 0 and self.calls % self.redraw_interval == 0:
-                self.omega.copy_(_orthogonal_gaussian(self.n_heads, self.feature_dim, self.head_dim,
-                                                      self.generator))
+                self.omega.copy_(_orthogonal_gaussian(*self.omega.shape, self.generator))
             self.calls += 1
         return super().features(q, k, offset)
 
@@ -212,9 +203,8 @@ class PerformerFeatureMap(FeatureMap):
 
 class CosformerFeatureMap(FeatureMap):
     """cosFormer (Qin et al. 2022, Eq. 9-11): phi(x_i) = [ReLU(x_i) cos(pi i / 2M), ReLU(x_i) sin(pi
-    i / 2M)], so phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len
-    (default 2048, the model's context length), fixed: no output depends on the tokens that follow
-    (the paper uses the length)."""
+    i / 2M)]: phi(q_i).phi(k_j) = ReLU(q_i).ReLU(k_j) cos(pi (i - j) / 2M); F = 2D. M = max_len
+    (default 2048, the context length), fixed where the paper takes the length, so causal."""
 
     def __init__(self, head_dim, n_heads, max_len: int = 2048):
         super().__init__(head_dim, n_heads)
@@ -294,10 +284,9 @@ class HedgehogFeatureMap(FeatureMap):
 
 class LolcatsFeatureMap(HedgehogFeatureMap):
     """LoLCATs (Zhang et al. 2025, Eq. 6, Table 1): phi(x) = f(u), u = x W + b + x, a per-head
-    Linear(D, F') with a skip connection (its first min(D, F') coordinates), init W = 0, b = 0.
-    activation f: 'softmax' [softmax(u), softmax(-u)] or 'exp' [exp(u), exp(-u)], F = 2F' (default
-    2D); 'elu' 1 + ELU(u) or 'relu' ReLU(u), F = F' (default D). Unlike the official code, no clamp
-    of the features at 1e-12."""
+    Linear(D, F') with a skip connection (its first min(D, F') coordinates), init W = 0, b = 0. f:
+    'softmax' [softmax(u), softmax(-u)] or 'exp' [exp(u), exp(-u)], F = 2F' (default 2D); 'elu' 1 +
+    ELU(u) or 'relu' ReLU(u), F = F' (default D). Unlike the official code, no clamp at 1e-12."""
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None,
                  activation: str = 'softmax'):
@@ -335,10 +324,9 @@ def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
 
 @functools.lru_cache(maxsize=None)
 def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.5):
-    """match='entropy' (ours: LLN Fig. 2 in docs/RESULTS.md shows moment matching leaves LLN's rows
-    flatter than softmax's): for s^2 = 0, 0.5, .., 8 the s~^2 at which LLN's mean row entropy equals
-    softmax's (n_tokens keys, q, k ~ N(0, I_D)); LLN's entropy falls monotonically in s~^2. Returns
-    (s^2 grid, s~^2 grid)."""
+    """match='entropy' (ours: docs/RESULTS.md's LLN Fig. 2 shows moment matching leaves LLN's rows
+    spikier than softmax): for s^2 = 0, 0.5, .., 8 the s~^2 where LLN's mean row entropy (monotone
+    in s~^2) equals softmax's (n_tokens keys, q, k ~ N(0, I_D)) -> (s^2 grid, s~^2 grid)."""
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
 
@@ -346,8 +334,7 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
         return -(log_w.exp() * log_w).sum(-1).mean().item()
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-    h_sm = [entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()]
-    h_sm = torch.tensor(h_sm, dtype=torch.float64)
+    h_sm = s2_grid.new_tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()])
     xs, h_lln = [0.0], [math.log(n_tokens)]  # s~^2 = 0: uniform weights
     while h_lln[-1] > h_sm[-1].item() and xs[-1] < 1000:
         xs.append(xs[-1] + step)
@@ -364,12 +351,11 @@ def _interp(x, xp, fp):
     return fp[i - 1] + (fp[i] - fp[i - 1]) * (x - xp[i - 1]) / (xp[i] - xp[i - 1])
 
 def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
-    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the query/key variances, alpha s_q =
-    beta s_k: alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k. For the softmax
-    log-variance s^2 = s_q^2 s_k^2, s~^2 answers: 'paper' (the paper's question) equal log-variance
-    of the attention, a s~^2 + b = s^2, (a, b) = lln_fit; 'entropy' equal mean row entropy on
-    Gaussian inputs (lln_entropy_fit); 'none' alpha = beta = 1 (the paper's ablation). s~^2 / 2 >=
-    1e-4 (the fit gives s~^2 < 0 when s^2 < b)."""
+    """LLN's temperatures (Nahshan et al. 2023, Eq. 10) from the q/k variances, alpha s_q = beta
+    s_k: alpha = sqrt(s~^2 / 2) / s_q, beta = sqrt(s~^2 / 2) / s_k. For softmax's log-variance s^2 =
+    s_q^2 s_k^2, s~^2 answers: 'paper' equal attention log-variance, a s~^2 + b = s^2, (a, b) =
+    lln_fit; 'entropy' equal mean row entropy on Gaussian inputs (lln_entropy_fit); 'none' alpha =
+    beta = 1 (the paper's ablation). s~^2 / 2 >= 1e-4 (the fit gives s~^2 < 0 when s^2 < b)."""
     _choose('LLN match', match, LLN_MATCH)
     if match == 'none':
         return torch.ones_like(sigma2_q), torch.ones_like(sigma2_k)
@@ -384,13 +370,11 @@ def lln_alpha_beta(sigma2_q, sigma2_k, head_dim, match='paper'):
 
 class LLNFeatureMap(FeatureMap):
     """Linear Log-Normal attention (Nahshan et al. 2023, Eq. 9-10): phi_q = exp(alpha q), phi_k =
-    exp(beta k), alpha, beta per head by lln_alpha_beta(.., match); F = D. The variances (the
-    official code: of the whole batch and sequence, later tokens included) are buffers, init 1: set
-    by calibrate(q, k); in training an exponential moving average (momentum 0.1) updated AFTER each
-    forward, so causal; frozen in eval mode."""
+    exp(beta k), alpha, beta per head by lln_alpha_beta(.., match); F = D. The variances: buffers,
+    init 1, set by calibrate(q, k) (the official code: whole batch and sequence, later tokens too);
+    in training an EMA (momentum 0.1) updated AFTER each forward (causal); frozen in eval."""
 
     log_domain = True
-    same_for_q_and_k = False
 
     def __init__(self, head_dim, n_heads, momentum: float = 0.1, match: str = 'paper'):
         super().__init__(head_dim, n_heads)
@@ -426,9 +410,8 @@ class LLNFeatureMap(FeatureMap):
 
 class DoFFeatureMap(FeatureMap):
     """Learned weighted positive random features (DoF paper, Sec. 3, Eq. 8): phi(x)_m = sqrt(a_m /
-    M) exp(z_m . x / D^1/4 - |x|^2 / (2 sqrt(D))) per head, z_m init orthogonal N(0, I), a_m =
-    exp(log_a_m), log_a init 0 (Performer's unbiased estimate at init); both trained. M =
-    feature_dim (default D)."""
+    M) exp(z_m.x / D^1/4 - |x|^2 / (2 sqrt D)) per head; z_m init orthogonal N(0, I), log a_m init 0
+    (Performer's unbiased estimate); both trained. M = feature_dim (default D)."""
 
     log_domain = True
 
@@ -469,11 +452,10 @@ def _fits(value, annotation):
 @dataclass(frozen=True)
 class AttnSpec:
     """The attention of a layer as 'name[:key=value..]': 'softmax', 'hedgehog:feature_dim=64',
-    'exp:t=2', 'lolcats:window=64:combine=mix', 'lln:diag_block=64'. parse reads it, str() writes it
-    without defaults. Keys other than the settings below are the map's options (t = temperature, f =
-    feature_dim), typed by the map's __init__ annotations; values are JSON where they parse (a str
-    setting or option: as written). A changed copy: dataclasses.replace(spec, impl='recurrent')
-    (options may be a dict)."""
+    'exp:t=2', 'lolcats:window=64:combine=mix'. parse reads it, str() writes it without defaults.
+    Keys besides the settings below are the map's options (t = temperature, f = feature_dim), typed
+    by its __init__'s annotations; values are JSON where they parse (a str setting or option: as
+    written). A changed copy: dataclasses.replace(spec, impl='recurrent') (options: a dict too)."""
     name: str = 'softmax'     # 'softmax' or a FEATURE_MAPS key
     window: int = 0           # > 0: sliding-window softmax + linear (LoLCATs), or alone for softmax
     sinks: int = 0            # the first tokens, kept in the window's softmax part (StreamingLLM)
@@ -668,12 +650,11 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
 
 def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chunk_size=64,
                      initial_state=None, return_state=False, c_k=None):
-    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps), 0 where that is 0 (a row whose features are all
-    0) (Katharopoulos et al. 2020): phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y in v's dtype
-    [, the final state, float32]; c_k: the keys' shifts (linear_attention_parts). The state is
-    (S, z), or (S, z, m) with key shifts or such an initial_state. impl 'chunked' runs the Triton
-    kernel on CUDA where triton is installed and it fits (causal, F <= 256, D <= 128), else
-    PyTorch's chunked path; 'triton' insists."""
+    """y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps), 0 where that is 0 (Katharopoulos et al. 2020):
+    phi_q, phi_k (B, H, T, F), v (B, H, T, D) -> y in v's dtype [, the final state, float32]; c_k:
+    key shifts (linear_attention_parts). The state is (S, z), or (S, z, m) with key shifts or such
+    an initial_state. impl 'chunked' runs the Triton kernel on CUDA with triton installed, where it
+    fits (causal, F <= 256, D <= 128), else PyTorch's chunked path; 'triton' insists."""
     _choose('impl', impl, IMPLS)
     if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
         raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
@@ -705,9 +686,8 @@ def attention_entropy(w, eps=1e-12):
     return -(w.float() * (w.float() + eps).log()).sum(-1)
 
 def spectral_gap(w):
-    """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix -> (B, H) float64 (eigenvalues
-    sorted by modulus, lambda_1 = 1). Meant for bidirectional matrices: a causal one's eigenvalues
-    are its diagonal."""
+    """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix -> (B, H) float64 (eigenvalues by
+    modulus, lambda_1 = 1); for bidirectional ones: a causal one's eigenvalues are its diagonal."""
     return 1.0 - torch.linalg.eigvals(w.double()).abs().sort(dim=-1, descending=True).values[..., 1]
 
 def ranks(x):
@@ -737,9 +717,8 @@ def kl_divergence(p, q, eps=1e-12):
     return (p.float() * ((p.float() + eps).log() - (q.float() + eps).log())).sum(-1)
 
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
-    """DoF's kernel loss: the mean squared error of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D))
-    over the visible pairs (quadratic in T), unnormalised: pass exact features (fmap.features' phi_q
-    times exp(c_q + c_k))."""
+    """DoF's kernel loss: MSE of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the visible
+    pairs (quadratic in T), unnormalised: pass exact features (fmap.features' phi exp(c))."""
     err = (phi_q.float() @ phi_k.float().transpose(-2, -1) -
            torch.exp((q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5)).square()
     if not causal:

@@ -1,5 +1,4 @@
-"""
-One transformer for the three model families the linear-attention papers convert, and every way to load it.
+"""One transformer for the three model families the linear-attention papers convert, and every way to load it.
 
 The families, as a config switch rather than three copies of the code:
 - GPT-2: learned positions, pre-LayerNorm, GELU (tanh) MLP, tied embeddings, causal;
@@ -120,8 +119,7 @@ class ShortConv(nn.Module):
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.eye(kernel_size)[-1].repeat(channels, 1))   # (C, K); last tap = current
 
-    def forward(self, x, past=None):
-        # x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)
+    def forward(self, x, past=None):   # x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)
         xx = F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None else torch.cat([past.to(x.dtype), x], dim=1)
         y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=x.size(-1))  # (B, C, T)
         return y.transpose(1, 2), xx[:, x.size(1):]                 # xx (B, K-1+T, C): its last K-1 rows
@@ -455,11 +453,10 @@ def sample(logits, temperature=1.0, top_k=None):
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
 
 class DecodeGraph:
-    """GPT.decode_step captured once as a CUDA graph and replayed for every token (mamba_ssm's
-    cg=True; HF's static cache with torch.compile). The states live in fixed buffers (KV caches
-    static, with room for `capacity` tokens; hybrids.static_state), the token and the position in
-    fixed tensors; a replay launches the step's kernels at once, with no Python between them.
-    compile: the step first fused by torch.compile (inductor: far fewer kernels than aten ops).
+    """GPT.decode_step captured once as a CUDA graph and replayed for every token (mamba_ssm's cg=True; HF's static
+    cache with torch.compile). The states live in fixed buffers (KV caches static, with room for `capacity` tokens;
+    hybrids.static_state), the token and position in fixed tensors; a replay launches the step's kernels at once, with
+    no Python between them. compile: the step first fused by torch.compile (inductor: fewer kernels than aten ops).
         step = DecodeGraph(model, tok, pos, states, capacity)   # after a prefill; pos: tok's position
         logits = step(tok)                                      # the next token's logits; pos moves on"""
 
@@ -527,14 +524,13 @@ def build(config):
 
 # ---- load and save: one loader for every format, one checkpoint format ------
 def load(path, **overrides):
-    """(model, extra) from our checkpoint (save(); out_dir/ckpt.pt or its folder; a converted model's names its base
-    and holds only what the conversion added), a HuggingFace folder (config.json + safetensors / .bin, sharded or
-    not) or hub name (needs internet), or a llama.cpp .gguf file (dequantised to float32).
-    `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, dropout=0.1, ...). Only new
-    attention parameters may be absent; when `attn` changes the map of a layer of our checkpoint, its trained
-    core is re-initialised (with a message); a change of `impl`, `sinks`, `cache`, `decay` or `nope` alone keeps
-    it (a decay added at load starts at its half-life). model.tokenizer is the checkpoint's own (or None). extra: what
-    save(**extra) stored, and 'base' (a conversion's starting model)."""
+    """(model, extra) from our checkpoint (save(); out_dir/ckpt.pt or its folder; a converted model's names its base and
+    holds only what the conversion added), an HF folder (config.json + safetensors / .bin, sharded or not) or hub name
+    (needs internet), or a llama.cpp .gguf file (dequantised to float32). `overrides` are GPTConfig fields
+    (attn='hedgehog:feature_dim=64', num_labels=2, ...). Only new attention parameters may be absent; when `attn`
+    changes a layer's map in our checkpoint, its trained core is re-initialised (with a message); a change of `impl`,
+    `sinks`, `cache`, `decay` or `nope` alone keeps it (a decay added at load starts at its half-life). model.tokenizer
+    is the checkpoint's own (or None). extra: what save(**extra) stored, and 'base' (a conversion's starting model)."""
     names = [f.name for f in fields(GPTConfig)]
     bad = sorted(set(overrides) - set(names))
     if bad:
@@ -832,11 +828,10 @@ def gguf_key_map(config):
     m = {}
     for ours, (hf, fn) in _hf_key_map(config).items():
         head, _, suffix = hf.rpartition('.')
+        head = _GGUF_TOP_NAMES.get(head, head)
         if head.startswith('model.layers.'):
             i, _, rest = head.removeprefix('model.layers.').partition('.')
             head = f'blk.{i}.{_GGUF_LAYER_NAMES[rest]}'
-        else:
-            head = _GGUF_TOP_NAMES.get(head, head)
         n = {'attn_q': config.n_head, 'attn_k': config.n_kv_head}.get(head.rpartition('.')[2])
         m[ours] = (f'{head}.{suffix}', (lambda w, n=n: unpermute_qk(w, n)) if n else fn)
     return m
