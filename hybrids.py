@@ -191,8 +191,7 @@ class LinearState:
         return LinearState(S, torch.addcmul(pk[:, :, 0], self.z, r), m, self.n + 1, pos)
 
     def read(self, phi_q):
-        """num (B, H, L, D) = phi_q S and den (B, H, L) = phi_q . z of queries phi_q (B, H, L, F),
-        in the state's units."""
+        """num (B, H, L, D) = phi_q S and den (B, H, L) = phi_q . z of queries phi_q (B, H, L, F), in its units."""
         return phi_q @ self.S, (phi_q * self.z[:, :, None]).sum(-1)
 
 @dataclass(frozen=True)
@@ -207,9 +206,8 @@ class Slots:
     @staticmethod
     def empty(k, v, L):
         """L empty slots for pairs shaped like k, v (B, H_kv, ., D)."""
-        def zeros(x):
-            return x.new_zeros(*x.shape[:2], L, x.shape[3])
-        return Slots(zeros(k), zeros(v), torch.full((L,), -1, dtype=torch.long, device=k.device))
+        k, v = (x.new_zeros(*x.shape[:2], L, x.shape[3]) for x in (k, v))
+        return Slots(k, v, torch.full((L,), -1, dtype=torch.long, device=k.device))
 
     def write(self, slot, position, k, v):
         """The slots with pairs k, v (B, H_kv, m, D) at `slot` ((m,) long, on the device), pos
