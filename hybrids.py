@@ -543,11 +543,11 @@ class Linear(Attention):
 
 def fusable(core):
     """Whether core's step can run fused: the Linear and Window families with Hedgehog's map or LoLCATs'
-    (its skip the whole width), softmax or exp features, tiles kernels.decode_fits holds."""
+    (its skip the whole width), softmax or exp features, tiles kernels.decode_warps serves."""
     fm, spec = core.fmap, core.spec
     ok = core.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') and \
         (fm.weight.shape[1] == core.head_dim or type(fm) is A.HedgehogFeatureMap) and core.window != 1 and \
-        kernels.decode_fits(fm.feature_dim, core.head_dim, spec.sinks + spec.window)
+        kernels.decode_warps(fm.feature_dim, core.head_dim, spec.sinks + spec.window) > 0
     if spec.impl == 'triton' and core.mode == 'window' and not ok:
         raise UsageError(f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog or "
                          "lolcats map with softmax or exp features, a window of 2 or more")

@@ -709,17 +709,13 @@ def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, win
             num_warps=decode_warps(2 * FW, D))
     return y, tuple(out[:3]), tuple(out[3:]) or None
 
-def _tile_size(n):
-    return 1 << (n - 1).bit_length()   # the power of two a tile of n rounds up to
-
-def decode_fits(F, D, L=1):
-    """Whether the fused decode step holds its tiles, F x D and the L slots x D rounded up to powers of
-    two, within 8,192 values, where it compiles without spills (tests/test_kernels_compile.py)."""
-    return _tile_size(F) * _tile_size(D) <= 8192 and _tile_size(L) * _tile_size(D) <= 8192
-
-def decode_warps(F, D):
-    """The fused decode step's warps: 4 for tiles up to 64 x 32, 8 above (no spills on sm_80, sm_90)."""
-    return 4 if _tile_size(F) * _tile_size(D) <= 2048 else 8
+def decode_warps(F, D, L=1):
+    """The fused decode step's warps for F features, head size D and L slots: 4 for tiles (powers of two) up
+    to 2,048 values, 8 up to 8,192; 0 where F x D or L x D is larger: it would spill there (no spill on sm_80
+    and sm_90 otherwise, tests/test_kernels_compile.py)."""
+    size = lambda n: 1 << (n - 1).bit_length()   # noqa: E731, the power of two a tile of n rounds up to
+    tile = max(size(F), size(L)) * size(D)
+    return 0 if tile > 8192 else 4 if size(F) * size(D) <= 2048 else 8
 
 def supports(F, D):
     """Whether the kernel handles feature dim F and value dim D (Taylor's F = 1 + D + D^2: not)."""

@@ -106,11 +106,11 @@ def control():
 
 def decode_launches(F, D, dt):
     """The fused decode step's launches at SmolLM2's grouping (3 query heads a KV head) for a window of 64 and 4
-    sinks, with nope, with and without a decay (its shifts and m in float64), where kernels.decode_fits serves the
+    sinks, with nope, with and without a decay (its shifts and m in float64), where kernels.decode_warps serves the
     sizes: (name, kernel, meta, argument types)."""
     import triton
     import kernels as K
-    if not K.decode_fits(F, D, 68):   # (larger tiles keep the PyTorch step)
+    if not K.decode_warps(F, D, 68):   # (larger tiles keep the PyTorch step)
         return
     ints = {n: 'i32' for n in ('H', 'D', 'FW', 'L', 'W', 'N')}
     ring = {n: '*i64' for n in ('RP', 'RP2', 'POS')}
@@ -198,7 +198,7 @@ def test_compile_every_launch():
     """Every (F, D, dtype) the maps produce, on sm_80 and sm_90."""
     import kernels as K
     out = _run_script('--full')
-    decode = sum(2 for F, D, _ in FULL if K.decode_fits(F, D, 68))
+    decode = sum(2 for F, D, _ in FULL if K.decode_warps(F, D, 68))
     assert len(re.findall(r'^sm_(80|90) ', out, re.M)) == 2 * (7 * len(FULL) + decode), out
 
 
