@@ -386,7 +386,7 @@ class Attention(nn.Module):
         if self.inv_freq.device != q.device:   # once per device, before any graph capture
             self.inv_freq = self.inv_freq.to(q.device)
         t = _positions(q, start)
-        angle = (torch.stack([t, t - back])[..., None] * self.inv_freq).repeat(1, 1, 2)[:, None, None]   # (2, 1, 1, T, D)
+        angle = (torch.stack([t, t - back])[..., None] * self.inv_freq).repeat(1, 1, 2)[:, None, None]   # (2,1,1,T,D)
         return A.apply_rope(torch.stack([q, k]), angle.cos(), -angle.sin()).unbind(0)
 
     def _features(self, q, k, offset, key_padding_mask=None, pos=None, back=0):
@@ -575,7 +575,8 @@ def fused_step(core, q, k, v, st):
         q, k, v, st.pos, fm.weight, fm.bias, (lin.S, lin.z, lin.m), slots and (slots.k, slots.v, slots.pos),
         core.kv_groups, core.window, core.spec.sinks, skip=type(fm) is A.LolcatsFeatureMap, log=fm.log_domain,
         mix=core.spec.combine == 'mix', theta=getattr(core, 'window_factor', None),
-        rate=getattr(core, 'decay_rate', None), inv_freq=core.inv_freq if core.spec.nope else None, in_place=bool(slots and slots.static))
+        rate=getattr(core, 'decay_rate', None), inv_freq=core.inv_freq if core.spec.nope else None,
+        in_place=bool(slots and slots.static))
     if not window:
         return y, LinearState(S, z, m, st.n + 1, st.pos + 1)
     return y, WindowState(Slots(*ring, slots.static), LinearState(S, z, m, lin.n + 1), st.pos + 1, st.n + 1, st.sinks)
@@ -600,7 +601,7 @@ class Window(Attention):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.fmap is not None:   # gamma = sigmoid(theta) = 0.1 (LoLCATs' code: -2.197); mix: s = 1/2 until calibrate()
+        if self.fmap is not None:   # gamma = sigmoid(theta) = 0.1 (LoLCATs' code: -2.197); mix: 1/2 till calibrate()
             theta = math.log(0.1 / 0.9) if self.spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((len(self.rest_q),), theta))
 

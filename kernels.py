@@ -590,7 +590,8 @@ if HAS_TRITON:
         c = tl.max(u, 0)
         if LOG:
             return tl.exp(u - c), c
-        top = tl.where(first, tl.max(tl.where(first, u, -float('inf')), 0), tl.max(tl.where(first, -float('inf'), u), 0))
+        inf = float('inf')
+        top = tl.where(first, tl.max(tl.where(first, u, -inf), 0), tl.max(tl.where(first, -inf, u), 0))
         e = tl.exp(u - top)
         total = tl.where(first, tl.sum(tl.where(first, e, 0.), 0), tl.sum(tl.where(first, 0., e), 0))
         return e / total, c * 0.
