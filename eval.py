@@ -778,7 +778,7 @@ def report_bench(args):
            'memory': 'cuda max_memory_allocated' if cuda else 'VmHWM - VmRSS (clear_refs)',
            'decode_model': f'gpt2-style, 1 layer, 2 heads of 64, vocab 256; greedy, mean of {DECODE_STEPS} steps '
                            'after prefill', 'loadavg': list(os.getloadavg()) if hasattr(os, 'getloadavg') else None}
-    res, model = {'config': cfg}, None
+    res, model, batches = {'config': cfg}, None, parse_list(args.decode_batch or '1', 'decode_batch')
     for part in BENCH_SWEEPS if 'all' in parts else parts:
         lengths = parse_list(args.sweep or BENCH_SWEEPS[part], 'sweep')
         if part == 'decode' and args.ckpt:   # a real checkpoint: its own attention against its softmax teacher
@@ -787,11 +787,8 @@ def report_bench(args):
                                    f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
         mine = describe_attention(model) if part == 'decode' and model else ', '.join(cfg['maps'])
         log(f'{part}: {mine} vs softmax at lengths {lengths}')
-        if part == 'decode':
-            batches = parse_list(args.decode_batch or '1', 'decode_batch')
-            res[part] = bench_decode(lengths, specs, args.device, model, args.teacher, batches, args.graph)
-        else:
-            res[part] = bench_forward(part, lengths, specs, args.device)
+        res[part] = bench_decode(lengths, specs, args.device, model, args.teacher, batches, args.graph) \
+            if part == 'decode' else bench_forward(part, lengths, specs, args.device)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
     with open(res['table'], 'w') as f:
         f.write(f'{cfg["device_name"]}, torch {torch.__version__}; memory: {cfg["memory"]}; load average at the '
