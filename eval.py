@@ -477,7 +477,6 @@ def report_fidelity(args):
             'figures': fidelity_figures(args.out_dir, qk, first, layers, summary, pairs, cores)}
 
 def _save_figure(fig, out_dir, name):
-    """Lay out, write out_dir/name as PNG, close; returns the path."""
     import matplotlib.pyplot as plt
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, name), dpi=80)
@@ -744,9 +743,8 @@ BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
                 'ms / peak extra memory MB', lambda r: f'{r["ms"]:.1f} ms / {r["peak_mb"] or 0:.1f}'),
     'decode': ('length', ('ms_per_token', 'state_mb'), 'Decode ({decode_model}), per-token ms (tokens/s), attention '
                'state MB, process RSS MB, kernels (aten ops, Triton launches) per step, vs generated length',
-               lambda r: f'{r["ms_per_token"]:.3f} '
-               f'ms ({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, RSS {r["rss_mb"] or 0:.0f}, '
-               f'{r["aten_ops"]} kernels')}
+               lambda r: f'{r["ms_per_token"]:.3f} ms ({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, '
+               f'RSS {r["rss_mb"] or 0:.0f}, {r["aten_ops"]} kernels')}
 
 def bench_markdown(res):
     """A table per part, a row per length, a column per map; decode: longest over shortest length, per map."""
