@@ -366,8 +366,7 @@ def token_span(tok, text, a, b):
     def shared(prefix):   # (leading tokens of the whole text the prefix also encodes to, the prefix's tokens)
         p = tok.encode(prefix)
         return next((i for i, (x, y) in enumerate(zip(p, ids)) if x != y), min(len(p), len(ids))), len(p)
-    i, _ = shared(text[:a])
-    j, n_b = shared(text[:b])
+    (i, _), (j, n_b) = shared(text[:a]), shared(text[:b])
     return i, j + (j < n_b)
 
 # ---- GLUE: files, metrics, the classifier ------------------------------------
