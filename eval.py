@@ -123,8 +123,7 @@ def describe_shares(shares):
     """'; softmax-part share 0.71 (last row 0.42), layers 0.55-0.93', or '' without window hybrids."""
     if not shares:
         return ''
-    m = [x['mean'] for x in shares.values()]
-    last = statistics.mean(x['last'] for x in shares.values())
+    m, last = [x['mean'] for x in shares.values()], statistics.mean(x['last'] for x in shares.values())
     return f'; softmax-part share {statistics.mean(m):.2f} (last row {last:.2f}), layers {min(m):.2f}-{max(m):.2f}'
 def report_glue(args):
     """A finetuned classifier (train.py --task glue, or a BERT with its head) on the task's validation split."""
