@@ -1,5 +1,4 @@
-"""
-Convert a pretrained softmax Transformer into a linear-attention one: the LoLCATs recipe (attention transfer,
+"""Convert a pretrained softmax Transformer into a linear-attention one: the LoLCATs recipe (attention transfer,
 then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension selection.
 
     python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
@@ -326,12 +325,11 @@ def teacher_qk(model, batches, layers, rt):
 # ---- exact heads (issue 36): the teacher's retrieval heads keep exact softmax ----
 @torch.no_grad()
 def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
-    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: on passkey prompts of about
-    `length` tokens (train.passkey_prompts: depth 50 %, the probe's template and seed 1, not the
-    test's) with the answer teacher-forced, the attention mass its query heads put on the key's
-    tokens (both mentions), averaged over the rows that predict the answer, the query heads and the
-    prompts. A soft form of Wu et al. 2024's retrieval score (how often the head's largest weight is
-    on the token being copied): it needs no correct greedy answer."""
+    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: on passkey prompts of about `length` tokens
+    (train.passkey_prompts: depth 50 %, the probe's template and seed 1, not the test's) with the answer
+    teacher-forced, the attention mass its query heads put on the key's tokens (both mentions), averaged over the
+    rows that predict the answer, the query heads and the prompts. A soft form of Wu et al. 2024's retrieval score
+    (how often the head's largest weight is on the token being copied): it needs no correct greedy answer."""
     cfg = model.config
     score = torch.zeros(cfg.n_layer, cfg.n_kv_head, dtype=torch.float64)
     prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,), samples=samples, seed=seed,
@@ -571,10 +569,7 @@ def report(dirs):
 def main(argv=None):
     try:
         cfg, _ = train.parse_config(ConvertConfig, argv, __doc__)
-        if cfg.report:
-            print(report([d for d in cfg.report.split(',') if d]))
-        else:
-            run(cfg)
+        print(report([d for d in cfg.report.split(',') if d])) if cfg.report else run(cfg)
         return 0
     except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:   # one line; bugs: a traceback
         print(f"convert.py: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)

@@ -123,8 +123,7 @@ def describe_shares(shares):
     """'; softmax-part share 0.71 (last row 0.42), layers 0.55-0.93', or '' without window hybrids."""
     if not shares:
         return ''
-    m = [x['mean'] for x in shares.values()]
-    last = statistics.mean(x['last'] for x in shares.values())
+    m, last = [x['mean'] for x in shares.values()], statistics.mean(x['last'] for x in shares.values())
     return f'; softmax-part share {statistics.mean(m):.2f} (last row {last:.2f}), layers {min(m):.2f}-{max(m):.2f}'
 def report_glue(args):
     """A finetuned classifier (train.py --task glue, or a BERT with its head) on the task's validation split."""
@@ -477,7 +476,6 @@ def report_fidelity(args):
             'figures': fidelity_figures(args.out_dir, qk, first, layers, summary, pairs, cores)}
 
 def _save_figure(fig, out_dir, name):
-    """Lay out, write out_dir/name as PNG, close; returns the path."""
     import matplotlib.pyplot as plt
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, name), dpi=80)
@@ -744,9 +742,8 @@ BENCH_TABLES = {   # part: (x, (time, memory), caption, cell)
                 'ms / peak extra memory MB', lambda r: f'{r["ms"]:.1f} ms / {r["peak_mb"] or 0:.1f}'),
     'decode': ('length', ('ms_per_token', 'state_mb'), 'Decode ({decode_model}), per-token ms (tokens/s), attention '
                'state MB, process RSS MB, kernels (aten ops, Triton launches) per step, vs generated length',
-               lambda r: f'{r["ms_per_token"]:.3f} '
-               f'ms ({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, RSS {r["rss_mb"] or 0:.0f}, '
-               f'{r["aten_ops"]} kernels')}
+               lambda r: f'{r["ms_per_token"]:.3f} ms ({r["tokens_per_s"]:.0f}/s), state {r["state_mb"]:.2f}, '
+               f'RSS {r["rss_mb"] or 0:.0f}, {r["aten_ops"]} kernels')}
 
 def bench_markdown(res):
     """A table per part, a row per length, a column per map; decode: longest over shortest length, per map."""
@@ -778,7 +775,7 @@ def report_bench(args):
            'memory': 'cuda max_memory_allocated' if cuda else 'VmHWM - VmRSS (clear_refs)',
            'decode_model': f'gpt2-style, 1 layer, 2 heads of 64, vocab 256; greedy, mean of {DECODE_STEPS} steps '
                            'after prefill', 'loadavg': list(os.getloadavg()) if hasattr(os, 'getloadavg') else None}
-    res, model = {'config': cfg}, None
+    res, model, batches = {'config': cfg}, None, parse_list(args.decode_batch or '1', 'decode_batch')
     for part in BENCH_SWEEPS if 'all' in parts else parts:
         lengths = parse_list(args.sweep or BENCH_SWEEPS[part], 'sweep')
         if part == 'decode' and args.ckpt:   # a real checkpoint: its own attention against its softmax teacher
@@ -787,11 +784,8 @@ def report_bench(args):
                                    f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
         mine = describe_attention(model) if part == 'decode' and model else ', '.join(cfg['maps'])
         log(f'{part}: {mine} vs softmax at lengths {lengths}')
-        if part == 'decode':
-            batches = parse_list(args.decode_batch or '1', 'decode_batch')
-            res[part] = bench_decode(lengths, specs, args.device, model, args.teacher, batches, args.graph)
-        else:
-            res[part] = bench_forward(part, lengths, specs, args.device)
+        res[part] = bench_decode(lengths, specs, args.device, model, args.teacher, batches, args.graph) \
+            if part == 'decode' else bench_forward(part, lengths, specs, args.device)
     md, res['table'] = bench_markdown(res), os.path.join(args.out_dir, 'bench.md')
     with open(res['table'], 'w') as f:
         f.write(f'{cfg["device_name"]}, torch {torch.__version__}; memory: {cfg["memory"]}; load average at the '

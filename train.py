@@ -1,5 +1,4 @@
-"""
-Train a small GPT whose attention is softmax or a linear feature map (attention.py), nanoGPT style.
+"""Train a small GPT whose attention is softmax or a linear feature map (attention.py), nanoGPT style.
 
     python train.py --attn hedgehog                  # associative recall (the default task, no download)
     python train.py --attn lolcats:feature_dim=16:window=16:combine=mix   # options go in --attn
@@ -13,7 +12,6 @@ and `perplexity`, GLUE, attention entropy (Hedgehog Fig. 4); `fit`, the one loop
 models differ from nanoGPT's as measured (README): a 2-tap causal conv on the keys (--short_conv, H3 / Based),
 without which no linear map learned recall; N(0, 1) embeddings, N(0, 0.08) weights, an untied head (--init wide).
 """
-
 import argparse
 import contextlib
 import csv
@@ -368,8 +366,7 @@ def token_span(tok, text, a, b):
     def shared(prefix):   # (leading tokens of the whole text the prefix also encodes to, the prefix's tokens)
         p = tok.encode(prefix)
         return next((i for i, (x, y) in enumerate(zip(p, ids)) if x != y), min(len(p), len(ids))), len(p)
-    i, _ = shared(text[:a])
-    j, n_b = shared(text[:b])
+    (i, _), (j, n_b) = shared(text[:a]), shared(text[:b])
     return i, j + (j < n_b)
 
 # ---- GLUE: files, metrics, the classifier ------------------------------------
