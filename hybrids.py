@@ -1,23 +1,22 @@
 """
-One layer's attention, `Attention`, and the families it runs: one small class each, its all-tokens
-(parallel) form, its one-token step and its decode state side by side. In reading order:
-  1. the hybrids, all tokens at once: sliding-window softmax + linear (LoLCATs-w), block-diagonal
-     softmax + linear (LLN+Diag)
-  2. the states' parts: LinearState (S, z, m), Slots (pairs in fixed slots); state_nbytes,
-     static_state (a CUDA graph's), copy_state_
+One layer's attention, `Attention`, and the families it runs: one small class each, its all-tokens (parallel) form,
+its one-token step and its decode state side by side. In reading order:
+  1. the hybrids, all tokens at once: sliding-window softmax + linear (LoLCATs-w), block-diagonal softmax + linear
+     (LLN+Diag)
+  2. the states' parts: LinearState (S, z, m), Slots (pairs in fixed slots); state_nbytes, static_state (a CUDA
+     graph's), copy_state_
   3. Attention, the thin layer: the spec, the exact heads (SplitState), the features the maps see
-  4. the families: Softmax (KVCache), Linear (LinearState), Window (WindowState), Diag (DiagState),
-     Lola (LolaState; LoLA's update, lola_select; its schedule written out token by token in
-     float64, what the fast forms are tested against, is tests/test_cache.py's lola_reference)
+  4. the families: Softmax (KVCache), Linear (LinearState; fusable/fused_step: its step and Window's in one Triton
+     launch), Window (WindowState), Diag (DiagState), Lola (LolaState; LoLA's update, lola_select; its schedule
+     written out token by token in float64, what the fast forms are tested against: tests/test_cache.py)
 
-A decode state is a value: a step returns a new state and never writes where an older state reads,
-so continuations of one state (branches, beam search, a chat that rewinds) each equal the full
-forward on their tokens, whatever order they run in. Slots are rewritten out of place (a copy of
-the window's pairs a step, as the linear state's S is new each step); a KV cache appends past the n
-tokens its older states read, copying first where another continuation wrote already. Only a CUDA
-graph's state (static_state: buffers of its own) is written in place. A step's shapes do not depend
-on the position (a tensor on the device): model.DecodeGraph replays it. q, k, v: (B, H, T, D) after
-RoPE, k and v repeated to H heads; states keep the H_kv = H / kv_groups key/value heads (k[:, ::g]).
+A decode state is a value: a step returns a new state and never writes where an older state reads, so continuations
+of one state (branches, beam search, a chat that rewinds) each equal the full forward on their tokens, whatever order
+they run in. Slots are rewritten out of place (a copy of the window's pairs a step, as the linear state's S is new
+each step); a KV cache appends past the n tokens its older states read, copying first where another continuation
+wrote already. Only a CUDA graph's state (static_state: buffers of its own) is written in place. A step's shapes do
+not depend on the position (a tensor on the device): model.DecodeGraph replays it. q, k, v: (B, H, T, D) after RoPE,
+k and v repeated to H heads; states keep the H_kv = H / kv_groups key/value heads (k[:, ::g]).
 """
 
 import math
@@ -60,17 +59,15 @@ def _merge(a, b):
     return a[0] * ra[..., None] + b[0] * rb[..., None], a[1] * ra + b[1] * rb, m
 
 def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
-    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w,
-    den_w, m from _window_softmax; num_l, den_l the linear sums of shifted features (exact mass
-    exp(c) den_l); factor (H,).
-      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights
-            gamma exp(s_ij - m_i) and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT
-            compensated: window weights are <= gamma, on the kernel's scale (an exact softmax window
-            outweighs it by exp(m_i), e^20 and more at attention sinks);
+    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
+    _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i)
+            and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are <=
+            gamma, on the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at sinks);
       mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
-    As p y_window + (1 - p) y_linear, p the window part's share: for joint, gamma den_w against
-    exp(c) den_l, compared in log space. A row without linear keys is the window part, one without
-    window keys the linear part, 0 with neither. Returns y and p, float32."""
+    As p y_window + (1 - p) y_linear, p the window part's share: for joint, gamma den_w against exp(c) den_l, in log
+    space. A row without linear keys is the window part, one without window keys the linear part, 0 with neither.
+    Returns y and p, float32."""
     has_w, has_l = den_w > 0, den_l > 0
     den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
     y_w, y_l = num_w / den_w[..., None], num_l / den_l[..., None]      # each part normalised
@@ -115,13 +112,12 @@ def _linear_part(phi_q, phi_k, v, c_k, w, impl, chunk_size):
 
 def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True,
                             key_padding_mask=None, chunk_size=64):
-    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from
-    spec: softmax over W(i) = {i - window < j <= i} (causal) or {|i - j| < window},
-    phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks:
-    keys j < sinks join every query's softmax part (StreamingLLM's sink tokens, Xiao et al. 2024),
-    not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k: 0 at
-    padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory. Returns y and each row's share of
-    attention on the softmax part (combine_window_linear)."""
+    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from spec: softmax over
+    W(i) = {i - window < j <= i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel:
+    exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink
+    tokens, Xiao et al. 2024), not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k:
+    0 at padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory. Returns y and each row's share of attention on
+    the softmax part (combine_window_linear)."""
     B, _, T, _ = q.shape
     n_sinks = min(spec.sinks, T)
     keys = key_padding_mask if key_padding_mask is not None else \
@@ -233,9 +229,9 @@ def state_nbytes(state):
     return sum(t.numel() * t.element_size() for t in state_tensors(state))
 
 def static_state(state, capacity):
-    """The decode state in buffers of its own with fixed shapes, for a CUDA graph (model.DecodeGraph),
-    which writes into them in place: KV caches static with room for `capacity` tokens, slots and
-    sums copied (the state it was made from stays valid)."""
+    """The decode state in buffers of its own with fixed shapes, for a CUDA graph (model.DecodeGraph), which writes
+    into them in place: KV caches static with room for `capacity` tokens, slots and sums copied (the state it was
+    made from stays valid)."""
     if isinstance(state, KVCache):
         return state.reserve(capacity, static=True)
     if isinstance(state, SplitState):
@@ -274,15 +270,14 @@ class SplitState:
     rest: object
 
 class Attention(nn.Module):
-    """The attention of one layer, chosen by an AttnSpec (or its string): Attention(spec, ...) builds
-    the family's class (section 4): Softmax (or every head exact), Linear, Window (sliding-window
-    softmax alone without a map), Lola, Diag. This base holds what they share: the feature map (one
-    per query head), its decay, the exact heads (spec exact=: the Softmax family's functions on
-    those KV heads' query heads, with a KV cache of their own: SplitState), float32 inside, the q, k
-    the maps see (nope). A family writes parallel (all tokens from the start) and step (one token
-    after a state); decode (tokens after a state) runs the steps unless it has a faster way. max_len:
-    cosformer's M unless the spec sets it. share: a window forward's share of attention on the
-    softmax part per row (B, H_rest, T), detached.
+    """The attention of one layer, chosen by an AttnSpec (or its string): Attention(spec, ...) builds the family's
+    class (section 4): Softmax (or every head exact), Linear, Window (sliding-window softmax alone without a map),
+    Lola, Diag. This base holds what they share: the feature map (one per query head), its decay, the exact heads
+    (spec exact=: the Softmax family's functions on those KV heads' query heads, with a KV cache of their own:
+    SplitState), float32 inside, the q, k the maps see (nope). A family writes parallel (all tokens from the start)
+    and step (one token after a state); decode (tokens after a state) runs the steps unless it has a faster way.
+    max_len: cosformer's M unless the spec sets it. share: a window forward's share of attention on the softmax part
+    per row (B, H_rest, T), detached.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
@@ -390,12 +385,11 @@ class Attention(nn.Module):
         return A.apply_rope(torch.stack([q, k]), angle.cos(), -angle.sin()).unbind(0)
 
     def _features(self, q, k, offset, key_padding_mask=None, pos=None, back=0):
-        """fmap.features of q and k at positions from pos (a device tensor, in steps) or offset, k's
-        `back` positions earlier (a window step's leaving key), padding keys removed (phi_k 0, c_k
-        NO_KEY), spec decay as shifts: lambda^(t-s) = exp(g s) / exp(g t), key s by +g s, query t by
-        -g t (in linear attention alone the query's cancels; a window hybrid weighs its two parts by
-        it), in float64, where g t and its differences keep their precision at any position. None x 4
-        without a linear part."""
+        """fmap.features of q and k at positions from pos (a device tensor, in steps) or offset, k's `back` positions
+        earlier (a window step's leaving key), padding keys removed (phi_k 0, c_k NO_KEY), spec decay as shifts:
+        lambda^(t-s) = exp(g s) / exp(g t), key s by +g s, query t by -g t (in linear attention alone the query's
+        cancels; a window hybrid weighs its two parts by it), in float64, where g t and its differences keep their
+        precision at any position. None x 4 without a linear part."""
         if self.fmap is None:
             return None, None, None, None
         start = offset if pos is None else pos   # the first token's position
@@ -434,10 +428,10 @@ def _real(q, key_padding_mask):
 # ---- 4. the families ------------------------------------------------------------
 @dataclass(frozen=True)
 class KVCache:
-    """Softmax's decode state: the keys and values of the H_kv heads in buffers of some capacity,
-    the first n filled. Eager: an append writes past n, where no older state reads (copying first
-    where another state wrote past n), the capacity doubles when full, and a step reads the first n.
-    static (CUDA graphs): a fixed capacity, and a step reads it all with a mask of the filled slots."""
+    """Softmax's decode state: the keys and values of the H_kv heads in buffers of some capacity, the first n filled.
+    Eager: an append writes past n, where no older state reads (copying first where another state wrote past n), the
+    capacity doubles when full, and a step reads the first n. static (CUDA graphs): a fixed capacity, and a step
+    reads it all with a mask of the filled slots."""
     k: torch.Tensor     # (B, H_kv, capacity, D)
     v: torch.Tensor     # (B, H_kv, capacity, Dv)
     pos: torch.Tensor   # (1,) long, on the device: tokens held (n)
@@ -514,9 +508,8 @@ class Softmax(Attention):
         return softmax_decode(q, k, v, self.kv_groups, state)
 
 class Linear(Attention):
-    """Linear attention (Katharopoulos et al. 2020) with the spec's map, its state (S, z, m) a
-    LinearState: one path (spec impl) from the start and after a state; a step is one outer
-    product into the state and one read."""
+    """Linear attention (Katharopoulos et al. 2020) with the spec's map, its state (S, z, m) a LinearState: one path
+    (spec impl) from the start and after a state; a step is one outer product into the state and one read."""
     mode, fuses = 'linear', True
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
@@ -554,9 +547,9 @@ def fusable(core):
     return ok
 
 def fused(core, x):
-    """Whether core's one-token step on x runs fused_step: under torch.no_grad() (the kernel has no
-    backward), for a fusable map, with spec impl=triton (wherever triton runs, the interpreter
-    included) or impl=chunked on CUDA; the other maps and families keep their PyTorch step."""
+    """Whether core's one-token step on x runs fused_step: under torch.no_grad() (the kernel has no backward), for
+    a fusable map, with spec impl=triton (wherever triton runs, the interpreter included) or impl=chunked on CUDA;
+    the other maps and families keep their PyTorch step."""
     if torch.is_grad_enabled() or not core.fusable or core.spec.impl not in ('chunked', 'triton'):
         return False
     if core.spec.impl == 'triton' and not kernels.triton_available(x):
@@ -583,10 +576,10 @@ def fused_step(core, q, k, v, st):
 
 @dataclass(frozen=True)
 class WindowState:
-    """The sliding-window hybrid's decode state after n tokens: `sinks` slots for the first tokens,
-    then a ring of `window` slots, token p >= sinks at sinks + p % window; the linear part (None:
-    sliding-window softmax alone) holds tokens sinks .. n - window, outside the next query's window:
-    the sinks, tokens n - window + 1 .. n - 1 and itself."""
+    """The sliding-window hybrid's decode state after n tokens: `sinks` slots for the first tokens, then a ring of
+    `window` slots, token p >= sinks at sinks + p % window; the linear part (None: sliding-window softmax alone)
+    holds tokens sinks .. n - window, outside the next query's window: the sinks, tokens n - window + 1 .. n - 1 and
+    itself."""
     slots: Slots
     linear: LinearState | None
     pos: torch.Tensor   # (1,) long on the device: tokens seen (n)
@@ -631,10 +624,10 @@ class Window(Attention):
         return WindowState(slots, linear, _position(k, T), T, N)
 
     def step(self, q, k, v, st):
-        """One token after st: written into its slot (a sink's own, or its ring slot, whose token has
-        left the window), the query attends to the slots (softmax) and to the folded pairs (linear);
-        then the token leaving the window for the next query is folded, its features made again (in
-        this order a step reads no slot it writes: a CUDA graph's warm-up may run it on its state)."""
+        """One token after st: written into its slot (a sink's own, or its ring slot, whose token has left the
+        window), the query attends to the slots (softmax) and to the folded pairs (linear); then the token leaving
+        the window for the next query is folded, its features made again (in this order a step reads no slot it
+        writes: a CUDA graph's warm-up may run it on its state)."""
         W, N, g = self.window, st.sinks, self.kv_groups
         slot = st.pos if st.n < N else st.pos % W + N                       # (1,)
         slots = st.slots.write(slot, st.pos, k[:, ::g], v[:, ::g])
@@ -693,9 +686,8 @@ class DiagState:
     slots: Slots
 
 class Diag(Linear):
-    """LLN+Diag (Nahshan et al. 2023, Sec. 4.2): the average of linear attention over every token
-    and softmax within blocks of diag_block tokens; a step is Linear's beside softmax over its
-    block so far."""
+    """LLN+Diag (Nahshan et al. 2023, Sec. 4.2): the average of linear attention over every token and softmax within
+    blocks of diag_block tokens; a step is Linear's beside softmax over its block so far."""
     mode, fuses = 'diag', False
     decode = Attention.decode   # tokens after a state: one step each
 
@@ -759,12 +751,11 @@ class LolaState:
     linear: LinearState
 
 def lola_select(state, cand, n_keep, kv_groups):
-    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate Pairs (the cache and
-    the pending block) scored by their self-recall error against the linear state, SRE(k, v) = ||S^T
-    phi(k) / z^T phi(k) - v||^2 (phi(k): the key's features; 0 recalled where z^T phi(k) = 0), per
-    KV head the mean over its query heads. The n_keep worst recalled stay in the cache; the rest are
-    folded into the state. (The paper's SRE; its public code scores differently.) -> (kept: sorted
-    indices (B, H_kv, n_keep), the new LinearState)."""
+    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate Pairs (the cache and the pending block)
+    scored by their self-recall error against the linear state, SRE(k, v) = ||S^T phi(k) / z^T phi(k) - v||^2
+    (phi(k): the key's features; 0 recalled where z^T phi(k) = 0), per KV head the mean over its query heads. The
+    n_keep worst recalled stay in the cache; the rest are folded into the state. (The paper's SRE; its public code
+    scores differently.) -> (kept: sorted indices (B, H_kv, n_keep), the new LinearState)."""
     rep = lambda x: x.repeat_interleave(kv_groups, 1)  # noqa: E731, GQA: query head h reads kv head h // g
     sre = (divide(*state.read(cand.phi)) - rep(cand.v)).square().sum(-1)          # (B, H, L)
     sre = sre.unflatten(1, (-1, kv_groups)).mean(2)                               # (B, H_kv, L)
@@ -774,10 +765,10 @@ def lola_select(state, cand, n_keep, kv_groups):
                             len(cand) - keep.shape[-1])
 
 class Lola(Window):
-    """The window hybrid with LoLA's sparse cache (McDermott et al. 2025, spec cache=): pairs leave
-    the window into a pending block; every cache_block of them, the block and the cache compete
-    (lola_select). Prefill and decoding run one schedule, in segments within which the linear part
-    is fixed: each ends where a block leaves the softmax part."""
+    """The window hybrid with LoLA's sparse cache (McDermott et al. 2025, spec cache=): pairs leave the window into
+    a pending block; every cache_block of them, the block and the cache compete (lola_select). Prefill and decoding
+    run one schedule, in segments within which the linear part is fixed: each ends where a block leaves the softmax
+    part."""
     mode, fuses = 'window', False
 
     def parallel(self, q, k, v, key_padding_mask, return_state):

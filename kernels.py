@@ -1,28 +1,25 @@
 """
-Causal linear attention in Triton: the naive reference, five kernels in five launches, the
-autograd wrapper; the fused decode step (one token of a layer in one launch, decode_step; its
-reference: hybrids' Linear.step and Window.step); a CUDA benchmark (where the time goes on an H100:
-docs/RESULTS.md 16.6).
+Causal linear attention in Triton: the naive reference, five kernels in five launches, the autograd wrapper; the
+fused decode step (one token of a layer in one launch, decode_step; its reference: hybrids' Linear.step and
+Window.step); a CUDA benchmark (where the time goes on an H100: docs/RESULTS.md 16.6).
 
-What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values
-v (B, H, T, D):
+What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values v (B, H, T, D):
 
     y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps),   S_t = S_0 + sum_{s<=t} phi_k_s v_s^T   (F, D)
                                                    z_t = z_0 + sum_{s<=t} phi_k_s         (F,)
 
-(0 where the denominator is 0) from an optional initial state (S_0, z_0), optionally returning the
-final state (prefill, then decode). Key shifts c (B, H, T), optional: the keys are phi_k_s exp(c_s),
-and row t is computed in units of exp(-m_t), m_t = max(m_0, c_1..c_t) (a running max, as online
-softmax), so every factor exp(c_s - m_t) is <= 1 whatever the keys' scale; the state (S, z, m) is
-then in units of exp(-m). `causal_linear_attention_reference` computes it from the definition,
-quadratic in T.
+(0 where the denominator is 0) from an optional initial state (S_0, z_0), optionally returning the final state
+(prefill, then decode). Key shifts c (B, H, T), optional: the keys are phi_k_s exp(c_s), and row t is computed in
+units of exp(-m_t), m_t = max(m_0, c_1..c_t) (a running max, as online softmax), so every factor exp(c_s - m_t) is
+<= 1 whatever the keys' scale; the state (S, z, m) is then in units of exp(-m). `causal_linear_attention_reference`
+computes it from the definition, quadratic in T.
 
-Design: flash-linear-attention's two-pass chunk form. Time is cut into chunks of BLOCK_T = 64
-rows, NT = T / 64 of them; M_j is the running max at chunk j's last row (M_-1 = m_0), known
-beforehand (a cummax in PyTorch). A sequential pass writes the state every chunk starts from; the
-attention inside the chunks and the outputs then run in parallel over (chunk, batch x head, block).
-Per chunk j (rows t, keys s of the chunk; S_j, z_j: the state before it, in units exp(-M_j-1);
-r_t = exp(M_j-1 - m_t)):
+Design: flash-linear-attention's two-pass chunk form. Time is cut into chunks of BLOCK_T = 64 rows, NT = T / 64 of
+them; M_j is the running max at chunk j's last row (M_-1 = m_0), known beforehand (a cummax in PyTorch, where each
+chunk's shifts and maxes are rebased to its own M_j: float64 shifts as large as a decay's keep their precision). A
+sequential pass writes the state every chunk starts from; the attention inside the chunks and the outputs then run in
+parallel over (chunk, batch x head, block). Per chunk j (rows t, keys s of the chunk; S_j, z_j: the state before it,
+in units exp(-M_j-1); r_t = exp(M_j-1 - m_t)):
 
     A    = q k^T exp(c_s - m_t), masked to s <= t     (BLOCK_T, BLOCK_T)  fp32 accumulation
     num  = A v + q S_j r                              (BLOCK_T, BLOCK_D)  intra- + inter-chunk
@@ -30,53 +27,48 @@ r_t = exp(M_j-1 - m_t)):
     y    = num / den
     S_j+1 = S_j exp(M_j-1 - M_j) + k^T (v exp(c_s - M_j)),   z_j+1 likewise with colsum(k)
 
-The denominator comes from the same A and z, not from a separate pass (where published kernels had
-silent gradient bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128,
-D=64, bf16):
+The denominator comes from the same A and z, not from a separate pass (where published kernels had silent gradient
+bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128, D=64, bf16):
 
-    fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores
-                                   S_j, z_j; holds its (BF, BD) = (32, 32) block of S in fp32
-    fwd out     _fwd_kernel        (NT, BH, D/BD) (512, 12, 1): y and 1/den of one chunk; holds A,
-                                   q S_j (BT, BD), accumulated over feature blocks of 64
+    fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores S_j, z_j; holds
+                                   its (BF, BD) = (32, 32) block of S in fp32
+    fwd out     _fwd_kernel        (NT, BH, D/BD) (512, 12, 1): y and 1/den of one chunk; holds A, q S_j (BT, BD),
+                                   accumulated over feature blocks of 64
     (backward)  _fwd_state_kernel  'fwd state' again: the states are recomputed, not saved
-    bwd dstate  _bwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores
-                                   dS, dz after each chunk; holds its (32, 32) block of dS in fp32
-    bwd dqk     _bwd_dqk_kernel    (NT, BH, F/BF) (512, 12, 2): dq, dk of one chunk and feature
-                                   block of 64; holds G (BT, BT), dq (BT, BF), dk^T (BF, BT),
-                                   accumulated over value blocks of 64
-    bwd dv      _bwd_dv_kernel     (NT, BH, D/BD) (512, 12, 1): dv of one chunk; holds P^T (BT, BT),
-                                   k dS (BT, BD), accumulated over feature blocks of 64
+    bwd dstate  _bwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores dS, dz after each
+                                   chunk; holds its (32, 32) block of dS in fp32
+    bwd dqk     _bwd_dqk_kernel    (NT, BH, F/BF) (512, 12, 2): dq, dk of one chunk and feature block of 64; holds
+                                   G (BT, BT), dq (BT, BF), dk^T (BF, BT), accumulated over value blocks of 64
+    bwd dv      _bwd_dv_kernel     (NT, BH, D/BD) (512, 12, 1): dv of one chunk; holds P^T (BT, BT), k dS (BT, BD),
+                                   accumulated over feature blocks of 64
 
-Memory. The stored states are (BH, NT, F, D) in the operands' dtype if bf16 (the dots read them
-in bf16 anyway: the same rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands
-2 F D / 64 + 4 F / 64 bytes per token and head: 264 B at F=128, D=64 (q and k in bf16: 512 B),
-104 MB at B=1, H=12, T=32K; 1,040 B at F=256, D=128. The forward frees them; the backward holds
-two sets (states and their gradients). Blocks and warps: BLOCKS.
+Memory. The stored states are (BH, NT, F, D) in the operands' dtype if bf16 (the dots read them in bf16 anyway: the
+same rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands 2 F D / 64 + 4 F / 64 bytes per token and
+head: 264 B at F=128, D=64 (q and k in bf16: 512 B), 104 MB at B=1, H=12, T=32K; 1,040 B at F=256, D=128. The
+forward frees them; the backward holds two sets (states and their gradients). Blocks and warps: BLOCKS.
 
-Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and
-delta_t = dy_t . y_t:
+Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and delta_t = dy_t . y_t:
     g_t = dL/dnum_t = dy_t rden_t,   r_t = dL/dden_t = -delta_t rden_t
     G_ts = dL/dP_ts = g_t . v_s + r_t
     dq_t = sum_{s<=t} G_ts k_s + S_0 g_t + r_t z_0        dS_0 = dS_T + sum_t q_t g_t^T
     dk_s = sum_{t>=s} G_ts q_t + dS_T v_s + dz_T          dz_0 = dz_T + sum_t r_t q_t
-    dv_s = sum_{t>=s} P_ts g_t + dS_T^T k_s
-(dS_T, dz_T: the gradients arriving through the returned state; with shifts, P_ts and the state
-terms carry the forward's factors.) Chunked, the sums over earlier chunks (dq) are q's state S_j,
-z_j; those over later chunks (dk, dv) the state gradient after chunk j (units exp(-M_j)),
+    dv_s = sum_{t>=s} P_ts g_t + dS_T^T k_s,              dc_s = dk_s . phi_k_s (the key scales with exp(c_s))
+(dS_T, dz_T: the gradients arriving through the returned state; with shifts, P_ts and the state terms carry the
+forward's factors.) Chunked, the sums over earlier chunks (dq) are q's state S_j, z_j; those over later chunks (dk,
+dv) the state gradient after chunk j (units exp(-M_j)),
     dS_j = dS_j+1 exp(M_j - M_j+1) + sum_{t in j+1} q_t g_t^T exp(M_j - m_t),
-dz_j likewise with r_t. Operands needed transposed are loaded transposed by swapping the pointer
-arithmetic; a tl.dot result is never transposed (a Triton miscompile on Hopper): the transposed
-product is computed directly (k q^T rather than (q k^T)^T), or stored through transposed pointers.
+dz_j likewise with r_t. Operands needed transposed are loaded transposed by swapping the pointer arithmetic; a tl.dot
+result is never transposed (a Triton miscompile on Hopper): the transposed product is computed directly (k q^T rather
+than (q k^T)^T), or stored through transposed pointers.
 
-Precision. Accumulation and state are fp32 (the stored states: see above). Operands are bf16 if an
-input is bf16 (tensor cores; bf16 has fp32's range), else the promoted dtype: fp32 features with
-fp16 values stay fp32, since exp-based features overflow fp16 (65504 = e^11). fp32 multiplies in
-'tf32' if torch.backends.cuda.matmul.allow_tf32 (or allow_tf32=True), else 'ieee'; fp16 always in
-'tf32' (exact for it). Gradients are written in each input's dtype.
+Precision. Accumulation and state are fp32 (the stored states: see above). Operands are bf16 if an input is bf16
+(tensor cores; bf16 has fp32's range), else the promoted dtype: fp32 features with fp16 values stay fp32, since
+exp-based features overflow fp16 (65504 = e^11). fp32 multiplies in 'tf32' if torch.backends.cuda.matmul.allow_tf32
+(or allow_tf32=True), else 'ieee'; fp16 always in 'tf32' (exact for it). Gradients are written in each input's dtype.
 
-CPU. With TRITON_INTERPRET=1 set before import, the kernels run in Triton's interpreter on CPU
-tensors (the tests; bf16 operands are upcast there: the interpreter's bf16 tl.dot is wrong), with
-blocks of their own (fewer programs; tests/test_kernels.py also runs the GPU blocks there).
+CPU. With TRITON_INTERPRET=1 set before import, the kernels run in Triton's interpreter on CPU tensors (the tests;
+bf16 operands are upcast there: the interpreter's bf16 tl.dot is wrong), with blocks of their own (fewer programs;
+tests/test_kernels.py also runs the GPU blocks there).
 """
 
 import contextlib
