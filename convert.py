@@ -70,7 +70,8 @@ class ConvertConfig:
     exact_heads: int = num(0, ge=0)   # > 0: this many KV heads (of all layers') stay exact softmax (spec exact=)
     exact_rank: Literal['probe', 'random'] = 'probe'   # which: the teacher's retrieval probe's best, or at random
     stage2_iters: int = num(200, ge=0)   # finetuning steps
-    lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's q/k/v/o (alpha = 2 rank); 0 = full finetune
+    lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's --lora_targets (alpha = 2 rank); 0 = full finetune
+    lora_targets: str = 'q,k,v,o'   # the projections LoRA adapts; v,o: q and k stay the teacher's (QK-Restore)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
@@ -90,6 +91,8 @@ class ConvertConfig:
         if self.exact_heads and (self.task != 'lm' or self.spec.exact):
             raise UsageError("--exact_heads is for --task lm, with an --attn that names no exact= heads")
         self.weights = loss_weights(self.loss, self.spec)
+        if not set(t := self.lora_targets.split(',')) <= set('qkvo') or len(set(t)) < len(t):
+            raise UsageError(f"--lora_targets {self.lora_targets!r}: a comma-separated subset of q,k,v,o")
 
 KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps l2 fits
 
@@ -421,7 +424,7 @@ def transfer(model, task, cfg, rt, layers):
 
 def finetune(model, module, task, cfg, rt):
     """Stage 2: the task loss (next token, or the GLUE classifier's) on the LoRA factors of every layer's
-    q/k/v/o plus a new classifier, or on every weight (--lora_rank 0)."""
+    --lora_targets (q/k/v/o) plus a new classifier, or on every weight (--lora_rank 0)."""
     if not cfg.stage2_iters:
         return None
     model.requires_grad_(cfg.lora_rank == 0)
@@ -439,11 +442,12 @@ def finetune(model, module, task, cfg, rt):
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')
 
 def add_lora(model, cfg):
-    """LoRA on every layer's q/k/v/o, drawn from --seed (the same on every process, whenever it is added: --fsdp
+    """LoRA on every layer's --lora_targets, drawn from --seed (the same on every process, whenever it is added: --fsdp
     adds it first) and leaving the random stream as it was; B = 0: the model unchanged."""
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank)
+        targets = [f'{t}_proj' for t in cfg.lora_targets.split(',')]
+        names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank, targets)
     print(f"stage 2: LoRA rank {cfg.lora_rank} on {len(names)} modules", flush=True)
     return model
 

@@ -112,6 +112,18 @@ def test_lora_starts_as_identity_and_only_lora_trains(ckpts, text_file, tmp_path
     assert s['stages']['stage2']['mode'] == 'lora'
 
 
+def test_lora_targets_leave_q_and_k_the_teachers(ckpts, text_file, tmp_path):
+    """--lora_targets v,o (QK-Restore): q and k get no LoRA; every weight but the LoRA factors is the teacher's."""
+    teacher = {n: p.detach().clone() for n, p in M.load(ckpts['llama'])[0].named_parameters()}
+    _run(_args(ckpts['llama'], text_file, tmp_path / 'vo', '--attn', 'softmax', '--stage1_iters', '0',
+               '--stage2_iters', '3', '--lora_rank', '4', '--stage2_lr', '1e-2', '--lora_targets', 'v,o'))
+    m = M.load(str(tmp_path / 'vo'))[0]
+    lora = {n.rsplit('.', 2)[-2] for n, _ in m.named_parameters() if n.endswith('lora_B')}
+    assert lora == {'v_proj', 'o_proj'} and not isinstance(m.transformer.h[0].attn.q_proj, M.LoRALinear)
+    assert all(torch.equal(p, teacher[n]) for n, p in m.named_parameters() if not n.endswith(('lora_A', 'lora_B')))
+    assert any(p.abs().sum() > 0 for n, p in m.named_parameters() if n.endswith('lora_B'))   # they trained
+
+
 def test_lora_bad_target(ckpts):
     model, _ = M.load(ckpts['gpt2'])
     with pytest.raises(A.UsageError, match='match no Linear'):
