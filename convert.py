@@ -72,6 +72,7 @@ class ConvertConfig:
     stage2_iters: int = num(200, ge=0)   # finetuning steps
     lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's --lora_targets (alpha = 2 rank); 0 = full finetune
     lora_targets: str = 'q,k,v,o'   # the projections LoRA adapts; v,o: q and k stay the teacher's (QK-Restore)
+    passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches are retrieval samples (passkey_batch)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
@@ -93,6 +94,8 @@ class ConvertConfig:
         self.weights = loss_weights(self.loss, self.spec)
         if not set(t := self.lora_targets.split(',')) <= set('qkvo') or len(set(t)) < len(t):
             raise UsageError(f"--lora_targets {self.lora_targets!r}: a comma-separated subset of q,k,v,o")
+        if self.passkey_mix and self.task != 'lm':
+            raise UsageError("--passkey_mix is for --task lm")
 
 KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps l2 fits
 
@@ -422,6 +425,22 @@ def transfer(model, task, cfg, rt, layers):
         losses = [json.loads(line)['loss'] for line in f]
     return dict(out, loss_first=losses[0], loss_last=losses[-1])
 
+def passkey_batch(tok, gen, block_size, batch_size):
+    """(x, y) of stage-2 retrieval samples: passkey prompts of PASSKEY_TEMPLATES['train'] (not the probe's, not the
+    test's) of block_size / 4 to block_size tokens, the key at a random depth, then the answer; y is -100 (no loss)
+    but at the answer's tokens. Right-padded, so each row's tokens see the same as alone (causal)."""
+    rows = []
+    for _ in range(batch_size):
+        seed, depth, n = (int(torch.randint(a, b, (), generator=gen)) for a, b in
+                          ((0, 2**31), (0, 101), (block_size // 4, max(block_size - 7, block_size // 4 + 1))))
+        p = train.passkey_prompts(tok, [n], depths=(depth,), samples=1, seed=seed, template='train')[0]
+        n, ids = len(tok.encode(p['input'])), tok.encode(p['input'] + ' ' + p['target'])
+        if len(ids) - 1 > block_size:
+            raise UsageError(f"--passkey_mix: a retrieval sample takes {len(ids) - 1} tokens, over --block_size")
+        rows.append((ids[:-1], [-100] * (n - 1) + ids[n:]))
+    T = max(len(x) for x, _ in rows)
+    return tuple(torch.tensor([r[i] + [pad] * (T - len(r[i])) for r in rows]) for i, pad in ((0, 0), (1, -100)))
+
 def finetune(model, module, task, cfg, rt):
     """Stage 2: the task loss (next token, or the GLUE classifier's) on the LoRA factors of every layer's
     --lora_targets (q/k/v/o) plus a new classifier, or on every weight (--lora_rank 0)."""
@@ -436,7 +455,10 @@ def finetune(model, module, task, cfg, rt):
     params = [p for p in module.parameters() if p.requires_grad]
     lr = cfg.stage2_lr or (LORA_LR if cfg.lora_rank else FULL_LR)
     model.train()
-    out = train.fit(module, params, train.task_loss, task.next_batch, _schedule(cfg, cfg.stage2_iters, lr),
+    def batch(g):   # a retrieval sample at --passkey_mix's rate, else the task's
+        pk = cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix
+        return passkey_batch(model.tokenizer, g, cfg.block_size, cfg.batch_size) if pk else task.next_batch(g)
+    out = train.fit(module, params, train.task_loss, batch, _schedule(cfg, cfg.stage2_iters, lr),
                     rt, log_name='stage2.jsonl')
     model.requires_grad_(False)
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')

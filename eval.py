@@ -306,11 +306,11 @@ PASSKEY_TASK = {   # the lm-eval task (passkey_task writes it as passkey.yaml, w
                                                   {'function': 'take_first'}]}],
     'metric_list': [{'metric': 'exact_match', 'aggregation': 'mean', 'higher_is_better': True}]}
 
-def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0):
+def passkey_task(folder, tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0, template='eval'):
     """Passkey retrieval (train.passkey_prompts) as a local lm-eval task in `folder`. Scored: the first number of the
     greedy answer equals the key (exact match)."""
     import yaml
-    rows = train.passkey_prompts(tok, lengths, depths, samples, seed)
+    rows = train.passkey_prompts(tok, lengths, depths, samples, seed, template)
     os.makedirs(folder, exist_ok=True)
     path = os.path.abspath(os.path.join(folder, 'passkey.jsonl'))
     with open(path, 'w') as f:
@@ -354,7 +354,7 @@ def report_passkey(args):
     model, _, tok = load(args, 'passkey')
     lengths, t0 = parse_list(args.sweep or '512,1024,2048', 'sweep'), time.time()
     folder, n = os.path.join(args.out_dir, 'passkey_task'), args.limit or 6
-    prompts = passkey_task(folder, tok, lengths, samples=n)
+    prompts = passkey_task(folder, tok, lengths, samples=n, template=args.passkey_template)
     res = run_lm_eval(args, model, tok, ['passkey_retrieval'], folder, log_samples=True)   # every sample written
     cells = {}
     for smp in res['samples']['passkey_retrieval']:
@@ -813,6 +813,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     lln: bool = False             # LLN Fig. 2: entropy and spectral gap vs temperature on Gaussian q, k (no --ckpt)
     lm_eval: str = ''             # lm-evaluation-harness tasks, comma-separated (pip install lm-eval)
     passkey: bool = False         # passkey retrieval by length (--sweep) and depth, through lm-eval
+    passkey_template: Literal['eval', 'eval2'] = 'eval'   # its wording (train.PASSKEY_TEMPLATES)
     lm_eval_include: str = ''     # a folder of local lm-eval task yamls (dataset_path: json)
     ckpt: str = ''                # train.py checkpoint or out_dir, convert.py folder, HF folder or hub name, .gguf file
     attn: str = ''                # load --ckpt with this attention: e.g. lolcats:window=64:sinks=4:cache=256

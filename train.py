@@ -331,14 +331,24 @@ PASSKEY_TEMPLATES = {   # name: (intro, filler, needle, question)
     'probe': ('Below is a long note. One line in it holds a number worth keeping.',
               'Rivers run to the sea. Birds sing at dawn. Bread is baked in ovens. Time moves on. ',
               'The secret number is {key}. Keep it in mind. {key} is the secret number.',
-              'What was the secret number? The secret number is')}
+              'What was the secret number? The secret number is'),
+    # convert.py --passkey_mix's stage-2 samples: a wording of their own, so that no recipe is tuned to the test
+    'train': ('A record follows. Somewhere in it is a code to recall later.',
+              'Snow falls in winter. Ships sail at night. Leaves turn brown. The road is long. ',
+              'The access code is {key}. Note it down. {key} is the access code.',
+              'What is the access code? The access code is'),
+    # eval.py --passkey_template eval2: the test in other words (is what a recipe learned the wording?)
+    'eval2': ('Read the text below. A number is stated in it; you will be asked for that number.',
+              'The cat sleeps on the mat. Rain falls on the roof. The clock ticks. We walk home. ',
+              'The magic number is {key}. Do not forget it. {key} is the magic number.',
+              'What is the magic number? The magic number is')}
 
 def passkey_prompts(tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0, template='eval'):
     """Passkey retrieval prompts (Mohtashami & Jaggi 2023), `samples` per length and depth: as their prompt, lines of
     the task, the filler before (none at depth 0), the key sentence, the filler after and the question; about
     `length` tokens of `tok`, the key at `depth` % of the filler. Ours: at depth 100 % one filler sentence (about 25
     tokens) still separates the key from the question (with none, SmolLM2 answered 'a key that is used to ...' in 5
-    of 18 prompts at 512-2K tokens). template: PASSKEY_TEMPLATES' 'eval' or 'probe'. Rows: input, target (the
+    of 18 prompts at 512-2K tokens). template: a PASSKEY_TEMPLATES name. Rows: input, target (the
     key), length, depth, tokens, keys (the key's two character spans in input)."""
     rng, rows = random.Random(seed), []
     intro, filler, needle_text, question = PASSKEY_TEMPLATES[template]

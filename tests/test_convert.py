@@ -1,10 +1,12 @@
 """Tests for convert.py: softmax -> linear attention conversion (attention transfer, DoF selection, LoRA,
 finetuning, saving and reloading through model.load), on tiny random GPT-2 / Llama (GQA) / BERT HuggingFace
 checkpoints written in the test with transformers' save_pretrained."""
+import itertools
 import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -510,14 +512,57 @@ def test_probe_finds_the_keys_tokens_with_a_gpt2_style_tokenizer():
             assert len(tok.encode(text[:a])) == i + 1        # the old count: one late
 
 
-def test_probe_ranks_heads_on_a_template_of_its_own():
-    """Issue 41, 4b: the retrieval probe's prompts share no sentence with the evaluation's (heads were chosen on the
-    test's own template, with other keys)."""
+def test_each_passkey_template_has_words_of_its_own():
+    """Issue 41, 4b; issue 56: the probe's prompts, stage 2's retrieval samples ('train') and the two evaluations'
+    share no sentence (heads were chosen on the test's own template, with other keys)."""
     tok = tokenizer.ByteTokenizer()
-    probe = train.passkey_prompts(tok, [300], depths=(50,), samples=1, seed=1, template='probe')[0]['input']
-    test = train.passkey_prompts(tok, [300], depths=(50,), samples=1, seed=0)[0]['input']
+    text = {t: train.passkey_prompts(tok, [300], depths=(50,), samples=1, seed=1, template=t)[0]['input']
+            for t in train.PASSKEY_TEMPLATES}
     sentences = lambda text: {s.strip() for line in text.splitlines() for s in line.split('. ') if s.strip()}  # noqa
-    assert not sentences(probe) & sentences(test)
+    assert len(text) == 4 and all(not sentences(text[a]) & sentences(text[b]) for a, b in itertools.combinations(text, 2))
+
+
+def test_passkey_batch_scores_the_answer_alone(tmp_path):
+    """Issue 56: stage 2's retrieval samples (--passkey_mix) within --block_size, 'train' wording, right-padded; the
+    loss is the mean negative log-likelihood of the answer's tokens (' ' and the key's 5 digits, bytes here) alone,
+    recomputed by hand from the logits in float64."""
+    torch.manual_seed(0)
+    m = M.GPT(M.GPTConfig(family='llama', vocab_size=VOCAB, block_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    tok, gen = tokenizer.ByteTokenizer(), torch.Generator().manual_seed(3)
+    x, y = C.passkey_batch(tok, gen, 400, 3)
+    assert x.shape == y.shape and 400 // 4 < x.shape[1] <= 400
+    with torch.no_grad():
+        logp, loss, want = m(x)[0].double().log_softmax(-1), float(train.task_loss(m, (x, y))), []
+    for b in range(3):
+        text = bytes(t for t in x[b].tolist() if t).decode()   # (padded with 0)
+        key = re.search(r'The access code is (\d{5})\. Note it down', text).group(1)
+        end = len(text.encode())   # rows end - 6 .. end - 1 predict the answer (its last token is no input)
+        assert text.endswith('What is the access code? The access code is' + (' ' + key)[:-1]), text[-60:]
+        assert y[b, end - 6:end].tolist() == list((' ' + key).encode())
+        assert (y[b, :end - 6] == -100).all() and (y[b, end:] == -100).all()
+        want += [-logp[b, t, y[b, t]] for t in range(end - 6, end)]
+    assert math.isclose(loss, float(sum(want) / len(want)), rel_tol=1e-5)
+
+
+def test_passkey_mix_draws_retrieval_batches_at_its_rate(tmp_path, text_file, monkeypatch):
+    """Issue 56: with --passkey_mix 0.25 a quarter of stage 2's batches are retrieval samples (the rest the text's),
+    within --block_size, and a run with it trains and reloads."""
+    torch.manual_seed(0)
+    m = M.GPT(M.GPTConfig(family='llama', vocab_size=VOCAB, block_size=512, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    m.tokenizer = tokenizer.load_tokenizer('bytes')
+    M.save(tmp_path / 'tiny.pt', m)
+    fit, drawn = train.fit, []
+
+    def spy(module, params, loss_fn, next_batch, *a, **k):   # 400 draws of stage 2's batches, then the real fit
+        g = torch.Generator().manual_seed(0)
+        drawn.extend(next_batch(g) for _ in range(400))
+        return fit(module, params, loss_fn, next_batch, *a, **k)
+    monkeypatch.setattr(train, 'fit', spy)
+    _run(_args(str(tmp_path / 'tiny.pt'), text_file, tmp_path / 'pk', '--block_size', '256', '--attn', 'softmax',
+               '--stage1_iters', '0', '--stage2_iters', '2', '--passkey_mix', '0.25'))
+    share = sum(bool((y == -100).any()) for _, y in drawn) / len(drawn)
+    assert 0.18 < share < 0.32 and all(x.shape[1] <= 256 for x, _ in drawn)
+    assert M.load(str(tmp_path / 'pk'))[0] is not None
 
 
 def _top(scores, n):

@@ -112,5 +112,7 @@ def test_passkey_task_is_deterministic_and_sized(tiny, tmp_path):
         n_before, n = r['input'].split(lines[needle])[0].count('The grass is green.'), r['input'].count('The grass')
         assert n > 1 and n_before == round((n - 1) * r['depth'] / 100) and lines[needle + 1].startswith('The grass')
         assert needle == 1 + (n_before > 0) and (n_before == 0 or lines[1] == (train.PASSKEY_TEMPLATES['eval'][1] * n_before).strip())
+    other = ev.passkey_task(str(tmp_path / 'c'), tok, [1000], samples=1, template='eval2')   # issue 56: other words
+    assert all(r['input'].endswith('The magic number is') and r['tokens'] <= 1000 for r in other)
     yaml = (tmp_path / 'a' / 'passkey.yaml').read_text()
     assert 'output_type: generate_until' in yaml and 'exact_match' in yaml
