@@ -84,24 +84,20 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-# @triton.jit builds interpreter kernels only if the variable is set before the decorator runs
-# (before import)
+# @triton.jit builds interpreter kernels only if the variable is set before the decorator runs (before import)
 INTERPRET = HAS_TRITON and os.environ.get('TRITON_INTERPRET', '0') == '1'
 NO_KEY = -1e30      # as attention.NO_KEY: the running max before any key
 DEFAULT_CHUNK = 64   # BLOCK_T: the chunk of rows each program of the parallel launches owns
 MAX_FEATURE_DIM, MAX_HEAD_DIM = 256, 128  # the sizes tests/test_kernels_compile.py checks
 
-def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=None,
-                                      return_state=False, c_k=None):
-    """The definition, quadratic in T: A_ts = phi_q_t . phi_k_s exp(c_s - m_t) (s <= t),
-    y = (A v + q S_0 exp(m_0 - m_t)) / (rowsum(A) + q . z_0 exp(m_0 - m_t) + eps); the key shifts
-    c_k (B, H, T) (None: 0) and m_t as above. initial_state (S_0, z_0[, m_0]) (B, H, F, D),
-    (B, H, F) [, (B, H)] in units exp(-m_0); m_0 = 0 when it has no m_0, and without an initial
-    state S_0 = z_0 = 0 and m_0 = NO_KEY (no key yet: m_t is the largest c_s, s <= t). Where the
-    denominator is 0 or less, y is the numerator undivided: 0 for a query whose features are all 0.
-    Computes in at least fp32 (float64 stays float64); y in v.dtype; return_state: also the final
-    state (S, z, m = m_T), S_0, z_0 and all T keys summed in units exp(-m), in the compute dtype;
-    (S, z) alone without c_k and without an m_0."""
+def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=None, return_state=False, c_k=None):
+    """The definition, quadratic in T: A_ts = phi_q_t . phi_k_s exp(c_s - m_t) (s <= t), y = (A v + q S_0 exp(m_0 -
+    m_t)) / (rowsum(A) + q . z_0 exp(m_0 - m_t) + eps); the key shifts c_k (B, H, T) (None: 0) and m_t as above.
+    initial_state (S_0, z_0[, m_0]) (B, H, F, D), (B, H, F) [, (B, H)] in units exp(-m_0); m_0 = 0 when it has no m_0,
+    and without an initial state S_0 = z_0 = 0 and m_0 = NO_KEY (no key yet: m_t is the largest c_s, s <= t). Where the
+    denominator is 0 or less, y is the numerator undivided: 0 for a query whose features are all 0. Computes in at least
+    fp32 (float64 stays float64); y in v.dtype; return_state: also the final state (S, z, m = m_T), S_0, z_0 and all T
+    keys summed in units exp(-m), in the compute dtype; (S, z) alone without c_k and without an m_0."""
     dt = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     q, k, v_ = phi_q.to(dt), phi_k.to(dt), v.to(dt)
     (B, H, T, F), D = q.shape, v.shape[-1]
@@ -152,8 +148,7 @@ if HAS_TRITON:
         return tl.load(MB + j), m_after
 
     @triton.jit
-    def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d,
-                    BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
         """One program's block of a state: S_IN[offs_f, offs_d] (BF, BD) and Z_IN[offs_f] (BF,),
         fp32; zeros where S_IN is None."""
         S = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)
@@ -165,8 +160,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_state(S_OUT, Z_OUT, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d):
-        """Store one program's block of a state (S_OUT (F, D) in its own dtype); z from the first
-        value block only."""
+        """Store one program's block of a state (S_OUT (F, D) in its own dtype); z from the first value block only."""
         S_OUT = S_OUT + offs_f[:, None] * D + offs_d[None, :]
         tl.store(S_OUT, S.to(S_OUT.dtype.element_ty), mask=mask_f[:, None] & mask_d[None, :])
         if i_d == 0:
@@ -183,9 +177,8 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """The forward's sequential pass, chunks j = 0 .. NT-1, one program per (bh, feature block,
-        value block), its block of the state in fp32 registers. STATES[j] = the state before chunk
-        j, in units exp(-M_{j-1}); then
+        """The forward's sequential pass, chunks j = 0 .. NT-1, one program per (bh, feature block, value block), its
+        block of the state in fp32 registers. STATES[j] = the state before chunk j, in units exp(-M_{j-1}); then
             S <- S e^(M_{j-1} - M_j) + sum_s k_s (v_s e^(c_s - M_j))^T,   z likewise with k_s alone."""
         i_bh, i_f, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         offs_t = tl.arange(0, BLOCK_T)
@@ -212,8 +205,7 @@ if HAS_TRITON:
             S = S * decay + _dot(kT, v * w[:, None], BF16, PRECISION)           # (BF, BD)
             z = z * decay + tl.sum(kT.to(tl.float32) * w[None, :], axis=1)      # (BF,)
         if S_END is not None:
-            _store_state(S_END + i_bh * F * D, Z_END + i_bh * F, S, z, offs_f, offs_d, D, mask_f,
-                         mask_d, i_d)
+            _store_state(S_END + i_bh * F * D, Z_END + i_bh * F, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d)
 
     @triton.jit
     def _bwd_state_kernel(
@@ -245,8 +237,7 @@ if HAS_TRITON:
 
         for i in range(0, NT):
             j = NT - 1 - i
-            _store_state(DSTATES + j * F * D, DZS + j * F, dS, dz, offs_f, offs_d, D, mask_f, mask_d,
-                         i_d)
+            _store_state(DSTATES + j * F * D, DZS + j * F, dS, dz, offs_f, offs_d, D, mask_f, mask_d, i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
             m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
@@ -259,8 +250,7 @@ if HAS_TRITON:
             dS = dS * decay + _dot(qT, dy * g_w[:, None], BF16, PRECISION)         # (BF, BD)
             dz = dz * decay + tl.sum(qT.to(tl.float32) * r_w[None, :], axis=1)    # (BF,)
         if DS_INIT is not None:
-            _store_state(DS_INIT + i_bh * F * D, DZ_INIT + i_bh * F, dS, dz, offs_f, offs_d, D,
-                         mask_f, mask_d, i_d)
+            _store_state(DS_INIT + i_bh * F * D, DZ_INIT + i_bh * F, dS, dz, offs_f, offs_d, D, mask_f, mask_d, i_d)
 
     @triton.jit
     def _chunk(T, M, MB, i_bh, BLOCK_T: tl.constexpr):
@@ -280,9 +270,8 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """y of one chunk and value block: A = q k^T e^(c_s - m_t) (s <= t), y = (A v + q S r) /
-        (rowsum(A) + q.z r + eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A
-        and q S accumulated over feature blocks."""
+        """y of one chunk and value block: A = q k^T e^(c_s - m_t) (s <= t), y = (A v + q S r) / (rowsum(A) + q.z r +
+        eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A and q S accumulated over feature blocks."""
         i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
         rows, mask_t, m_before, _, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -313,8 +302,7 @@ if HAS_TRITON:
         den = tl.sum(A, axis=1) + qz * r + eps                         # (BT,) fp32
         rden = (den > 0).to(tl.float32) / tl.where(den > 0, den, 1.)   # 0 / 0 -> 0
         y = (num * rden[:, None]).to(Y.dtype.element_ty)
-        tl.store(Y + i_bh * T * D + rows[:, None] * D + offs_d[None, :], y,
-                 mask=mask_t[:, None] & mask_d[None, :])
+        tl.store(Y + i_bh * T * D + rows[:, None] * D + offs_d[None, :], y, mask=mask_t[:, None] & mask_d[None, :])
         if i_d == 0:
             tl.store(RDEN + i_bh * T + rows, rden, mask=mask_t)
 
@@ -329,11 +317,9 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """dq and dk of one chunk and feature block, G_ts = (g_t . v_s + r_t) e^(c_s - m_t) (s <=
-        t):
+        """dq and dk of one chunk and feature block, G_ts = (g_t . v_s + r_t) e^(c_s - m_t) (s <= t):
             dq = G k + (g S^T + r z) e^(M_{j-1} - m_t),   dk^T = q^T G + (dS v^T + dz) e^(c_s - M_j);
-        program = (chunk, bh, feature block), G and the state terms accumulated over value
-        blocks."""
+        program = (chunk, bh, feature block), G and the state terms accumulated over value blocks."""
         i_bh, i_f = tl.program_id(1).to(tl.int64), tl.program_id(2)
         rows, mask_t, m_before, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -386,9 +372,8 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """dv = P^T g + k dS e^(c_s - M_j) for one chunk and value block, P^T_st = k_s . q_t
-        e^(c_s - m_t) (s <= t); program = (chunk, bh, value block), P^T and k dS accumulated over
-        feature blocks."""
+        """dv = P^T g + k dS e^(c_s - M_j) for one chunk and value block, P^T_st = k_s . q_t e^(c_s - m_t) (s <= t);
+        program = (chunk, bh, value block), P^T and k dS accumulated over feature blocks."""
         i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
         rows, mask_t, _, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -532,10 +517,8 @@ class CausalLinearAttention(torch.autograd.Function):
             dq, dk, dv = (torch.empty_like(x, dtype=dt) for x, dt in zip((q, k, vv), ctx.dtypes))
             dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)   # fp32
             _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, None, None, T, F, D)
-            _launch(launches, 'bwd dstate', q, dy, m, MB, rden, delta, dstates, dzs, dS_end, dz_end,
-                    dS0, dz0, T, F, D)
-            _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m,
-                    MB, dq, dk, T, F, D)
+            _launch(launches, 'bwd dstate', q, dy, m, MB, rden, delta, dstates, dzs, dS_end, dz_end, dS0, dz0, T, F, D)
+            _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m, MB, dq, dk, T, F, D)
             _launch(launches, 'bwd dv', q, k, dy, rden, dstates, c, m, MB, dv, T, F, D)
         dc = (dk.float() * k.float()).sum(-1) if ctx.needs_input_grad[5] else None   # (BH, T)
         grads = [g.reshape(B, H, T, -1) for g in (dq, dk, dv)]
@@ -558,12 +541,10 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _features(xq, xk, h, MAP_W, MAP_B, offs_d, D, FW, BU: tl.constexpr, SKIP: tl.constexpr,
-                  LOG: tl.constexpr):
-        """Hedgehog's and LoLCATs' features of a query and a key (BD,) for query head h: u = W_h x + b_h
-        (+ x, LoLCATs' skip), phi = [f(u), f(-u)] (F = 2 FW): f a softmax over each half, or exp (LOG),
-        shifted by c, the largest log-feature -> (phi_q, c_q, phi_k, c_k), phi (2 BU,): feature f at
-        row (f // BU) FW + f % BU of the state."""
+    def _features(xq, xk, h, MAP_W, MAP_B, offs_d, D, FW, BU: tl.constexpr, SKIP: tl.constexpr, LOG: tl.constexpr):
+        """Hedgehog's and LoLCATs' features of a query and a key (BD,) for query head h: u = W_h x + b_h (+ x, LoLCATs'
+        skip), phi = [f(u), f(-u)] (F = 2 FW): f a softmax over each half, or exp (LOG), shifted by c, the largest
+        log-feature -> (phi_q, c_q, phi_k, c_k), phi (2 BU,): feature f at row (f // BU) FW + f % BU of the state."""
         offs_u = tl.arange(0, BU)
         w = _tile(MAP_W + h * FW * D, offs_u, offs_d, D, 1, offs_u < FW, offs_d < D)    # (BU, BD)
         if SKIP:
@@ -610,8 +591,7 @@ if HAS_TRITON:
         RK, RV, RP, RK2, RV2, RP2,   # WINDOW: the slots (B, H / G, L, D) x 2, (L,), in and out
         POS, H, D, FW, L, W, N,   # (1,) this token's position; the window, its sinks, L = N + W
         G: tl.constexpr, BD: tl.constexpr, BU: tl.constexpr, BL: tl.constexpr, SKIP: tl.constexpr,
-        LOG: tl.constexpr, NOPE: tl.constexpr, DECAY: tl.constexpr, WINDOW: tl.constexpr,
-        MIX: tl.constexpr,
+        LOG: tl.constexpr, NOPE: tl.constexpr, DECAY: tl.constexpr, WINDOW: tl.constexpr, MIX: tl.constexpr,
     ):
         """One token of one layer, program (b, j): batch row b, KV head j and its G query heads. The
         state goes from (S, .., RP) to (S2, .., RP2): new buffers, or the same ones (a CUDA graph's).
@@ -678,12 +658,11 @@ if HAS_TRITON:
 
 def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, window=0, sinks=0,
                 skip=False, log=False, mix=False, theta=None, rate=None, inv_freq=None, in_place=False):
-    """One token of one layer's heads with a Hedgehog or LoLCATs map, in one launch of
-    _decode_kernel (its reference: hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v
-    GQA-repeated; pos (1,) long: the token's position; map_w (H, FW, D), map_b (H, FW); linear (S,
-    z, m); slots (k, v, pos) of a window (None: linear attention alone); theta, rate: the window
-    factor and the decay rate, raw, (H,); inv_freq: RoPE's (nope). in_place: the state's own buffers
-    are written (a CUDA graph's). -> y (B, H, 1, D) in v's dtype, the new linear state and slots."""
+    """One token of one layer's heads with a Hedgehog or LoLCATs map, in one launch of _decode_kernel (its reference:
+    hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v GQA-repeated; pos (1,) long: the token's position;
+    map_w (H, FW, D), map_b (H, FW); linear (S, z, m); slots (k, v, pos) of a window (None: linear attention alone);
+    theta, rate: the window factor and the decay rate, raw, (H,); inv_freq: RoPE's (nope). in_place: the state's own
+    buffers are written (a CUDA graph's). -> y (B, H, 1, D) in v's dtype, the new linear state and slots."""
     (B, H, _, D), FW = q.shape, map_w.shape[1]
     q, k, v, *state = (x.contiguous() for x in (q, k, v, *linear, *(slots or ())))
     linear, slots = state[:3], state[3:] or None
@@ -758,11 +737,9 @@ def _benchmark(B, H, Ts, F, D, dt):
     fla = importlib.util.find_spec('fla') and importlib.import_module('fla.ops.linear_attn')
     fla = fla and fla.chunk_linear_attn
     print(f'B={B} H={H} F={F} D={D} {dt}: median ms (triton.testing.do_bench), fwd / fwd+bwd' +
-          ('; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) '
-           'layout made untimed' if fla else
-           ' (pip install flash-linear-attention adds its chunk_linear_attn)'))
-    print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}' +
-          f' {"fla":>16} {"kernel vs fla":>13}' * bool(fla))
+          ('; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) layout made untimed'
+           if fla else ' (pip install flash-linear-attention adds its chunk_linear_attn)'))
+    print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}' + f' {"fla":>16} {"kernel vs fla":>13}' * bool(fla))
     for T in Ts:
         x = [torch.randn(B, H, T, D, device='cuda', dtype=dt, requires_grad=True) for _ in range(3)]
         pq, pk = (torch.rand(B, H, T, F, device='cuda', dtype=dt, requires_grad=True) for _ in range(2))
@@ -788,8 +765,7 @@ def _benchmark(B, H, Ts, F, D, dt):
 
 if __name__ == '__main__':   # python kernels.py [--T 1024,4096] [--B 4] [--dtype bfloat16] [--F 128] [--D 64]
     import argparse
-    p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch '
-                                            'SDPA on a CUDA GPU.')
+    p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch SDPA on a CUDA GPU.')
     p.add_argument('--T', default='1024,4096,16384', help='comma-separated sequence lengths')
     p.add_argument('--B', type=int, default=4, help='batch size (12 heads)')
     p.add_argument('--dtype', default='bfloat16', choices=['float32', 'bfloat16', 'float16'])
@@ -797,6 +773,5 @@ if __name__ == '__main__':   # python kernels.py [--T 1024,4096] [--B 4] [--dtyp
     p.add_argument('--D', type=int, default=64, help='head dimension (the kernel: D <= 128)')
     a = p.parse_args()
     if not (HAS_TRITON and torch.cuda.is_available()):
-        raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU '
-                         '(tests/test_kernels.py: on CPU)')
+        raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU (tests/test_kernels.py: on CPU)')
     _benchmark(a.B, 12, [int(t) for t in a.T.split(',')], a.F, a.D, getattr(torch, a.dtype))
