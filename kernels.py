@@ -477,11 +477,9 @@ class CausalLinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32):
         (B, H, T, F), D = phi_q.shape, v.shape[-1]
-        dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)
-        promoted = functools.reduce(torch.promote_types, dtypes)
-        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else promoted   # see Precision
-        tf32 = torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32
-        cfg = _cfg(dtype, tf32)
+        dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)   # -> the operands' dtype: see Precision
+        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else functools.reduce(torch.promote_types, dtypes)
+        cfg = _cfg(dtype, torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32)
         q, k, vv = (x.to(dtype).reshape(B * H, T, -1).contiguous() for x in (phi_q, phi_k, v))
         if S0 is not None:
             S0, z0 = _rows(S0, F, D), _rows(z0, F)
@@ -673,11 +671,10 @@ def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, win
     with _on_device(v), torch.profiler.record_function('triton::decode_step'):   # (eval.step_ops counts it)
         _decode_kernel[(B, H // kv_groups)](
             q, k, v, y, map_w, map_b, inv_freq if inv_freq is not None else map_b,
-            rate if rate is not None else map_b, theta if theta is not None else map_b,
-            *linear, *out[:3], *(slots or (some,) * 3), *(out[3:] or (some,) * 3), pos, H, D, FW, L,
-            max(window, 1), sinks, G=kv_groups, BD=triton.next_power_of_2(D),
-            BU=triton.next_power_of_2(FW), BL=triton.next_power_of_2(L), SKIP=skip, LOG=log,
-            NOPE=inv_freq is not None, DECAY=rate is not None, WINDOW=slots is not None, MIX=mix,
+            rate if rate is not None else map_b, theta if theta is not None else map_b, *linear, *out[:3],
+            *(slots or (some,) * 3), *(out[3:] or (some,) * 3), pos, H, D, FW, L, max(window, 1), sinks,
+            G=kv_groups, BD=triton.next_power_of_2(D), BU=triton.next_power_of_2(FW), BL=triton.next_power_of_2(L),
+            SKIP=skip, LOG=log, NOPE=inv_freq is not None, DECAY=rate is not None, WINDOW=slots is not None, MIX=mix,
             num_warps=decode_warps(2 * FW, D))
     return y, tuple(out[:3]), tuple(out[3:]) or None
 
