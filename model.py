@@ -187,9 +187,8 @@ def make_core(config, spec):
     """The attention core of one layer for `spec` (an AttnSpec or its string); cosformer's M = block_size."""
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling) \
         if config.family == 'llama' else None
-    return Attention(spec, config.head_dim, config.n_head, causal=config.family != 'bert',
-                     kv_groups=config.n_head // config.n_kv_head, max_len=config.block_size,
-                     rope_inv_freq=inv_freq)
+    return Attention(spec, config.head_dim, config.n_head, causal=config.family != 'bert', max_len=config.block_size,
+                     kv_groups=config.n_head // config.n_kv_head, rope_inv_freq=inv_freq)
 
 class MLP(nn.Module):
     """GELU MLP (gpt2: tanh approximation, bert: exact) or SwiGLU (llama)."""
@@ -303,8 +302,7 @@ class Transformer(nn.Module):
         """with model.capture_qkv() as rec: model(x) -> rec[i] = (q, k, v, key_padding_mask) that layer i's core got:
         (B, H, T, D) after RoPE, k and v GQA-repeated, mask None if causal. teacher=True: meanwhile every layer has an
         exact softmax core (a converted model runs as its teacher). The one q/k capture (transfer, DoF, metrics)."""
-        blocks, rec = self.transformer.h, {}
-        own = [b.attn.core for b in blocks]
+        blocks, rec, own = self.transformer.h, {}, self.attention_cores()
         if teacher:
             for b in blocks:
                 b.attn.core = make_core(self.config, 'softmax')
@@ -411,8 +409,7 @@ class GPT(Transformer):
         cfg, (B, T0) = self.config, idx.size()
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        learned_pos = not self.rope
-        if use_cache and learned_pos and T0 + max_new_tokens - 1 > cfg.block_size:
+        if use_cache and not self.rope and T0 + max_new_tokens - 1 > cfg.block_size:
             raise UsageError(f"cached generation needs {T0 + max_new_tokens - 1} positions, more than block_size="
                              f"{cfg.block_size} (learned positions); generate fewer or use use_cache=False (crops)")
         eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=idx.device).view(-1)
@@ -421,7 +418,7 @@ class GPT(Transformer):
         states = graph = None
         for t in range(T0, T0 + max_new_tokens):   # t: the position of the token generated
             if not use_cache:
-                logits = self(out[:, max(t - cfg.block_size, 0) if learned_pos else 0:t])[0][:, -1, :]
+                logits = self(out[:, 0 if self.rope else max(t - cfg.block_size, 0):t])[0][:, -1, :]
             elif states is None:
                 logits, states = self.prefill(idx)
                 pos = torch.full((1,), T0, dtype=torch.long, device=idx.device)   # the next input's
