@@ -72,7 +72,7 @@ class ConvertConfig:
     stage2_iters: int = num(200, ge=0)   # finetuning steps
     lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's --lora_targets (alpha = 2 rank); 0 = full finetune
     lora_targets: str = 'q,k,v,o'   # the projections LoRA adapts; v,o: q and k stay the teacher's (QK-Restore)
-    passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches are retrieval samples (passkey_batch)
+    passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches: retrieval samples (passkey_batch)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
