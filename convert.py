@@ -429,17 +429,18 @@ def passkey_batch(tok, gen, block_size, batch_size):
     """(x, y) of stage-2 retrieval samples: passkey prompts of PASSKEY_TEMPLATES['train'] (not the probe's, not the
     test's) of block_size / 4 to block_size tokens, the key at a random depth, then the answer; y is -100 (no loss)
     but at the answer's tokens. Right-padded, so each row's tokens see the same as alone (causal)."""
-    rows = []
+    xs, ys, lo = [], [], block_size // 4
+    hi = max(block_size - 7, lo + 1)   # room left for the answer: ' ' and the key's 5 digits
     for _ in range(batch_size):
-        seed, depth, n = (int(torch.randint(a, b, (), generator=gen)) for a, b in
-                          ((0, 2**31), (0, 101), (block_size // 4, max(block_size - 7, block_size // 4 + 1))))
-        p = train.passkey_prompts(tok, [n], depths=(depth,), samples=1, seed=seed, template='train')[0]
-        n, ids = len(tok.encode(p['input'])), tok.encode(p['input'] + ' ' + p['target'])
+        seed, depth, length = (int(torch.randint(a, b, (), generator=gen)) for a, b in ((0, 2**31), (0, 101), (lo, hi)))
+        p = train.passkey_prompts(tok, [length], depths=(depth,), samples=1, seed=seed, template='train')[0]
+        n_prompt, ids = len(tok.encode(p['input'])), tok.encode(p['input'] + ' ' + p['target'])
         if len(ids) - 1 > block_size:
             raise UsageError(f"--passkey_mix: a retrieval sample takes {len(ids) - 1} tokens, over --block_size")
-        rows.append((ids[:-1], [-100] * (n - 1) + ids[n:]))
-    T = max(len(x) for x, _ in rows)
-    return tuple(torch.tensor([r[i] + [pad] * (T - len(r[i])) for r in rows]) for i, pad in ((0, 0), (1, -100)))
+        xs.append(ids[:-1])
+        ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])   # row i predicts ids[i + 1]: only the answer's rows
+    T = max(len(x) for x in xs)
+    return tuple(torch.tensor([r + [pad] * (T - len(r)) for r in rows]) for rows, pad in ((xs, 0), (ys, -100)))
 
 def finetune(model, module, task, cfg, rt):
     """Stage 2: the task loss (next token, or the GLUE classifier's) on the LoRA factors of every layer's
