@@ -52,7 +52,8 @@ def _choose(what, value, choices):
 
 def check_qk(q, k, head_dim, n_heads):
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, "
+        raise ValueError(
+            f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}")
     if (q.shape[1], q.shape[-1]) != (n_heads, head_dim):
         raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got q "
@@ -124,8 +125,8 @@ class FeatureMap(nn.Module):
         return torch.exp(self.log_phi(acc(x), which, offset))
 
 def _per_head_linear(x, weight, bias=None):
-    """One Linear per head: x (..., H, T, D), weight (H, F, D), bias (H, F) -> (..., H, T, F), as one
-    batched product over the heads (the weights are not copied: the rows of x are)."""
+    """One Linear per head: x (..., H, T, D), weight (H, F, D), bias (H, F) -> (..., H, T, F), as
+    one batched product over the heads (the weights are not copied: the rows of x are)."""
     *lead, H, T, D = x.shape
     rows = x.movedim(-3, 0).reshape(H, -1, D)                         # (H, N, D)
     weight = weight.to(x.dtype).mT                                   # (H, D, F)
@@ -213,7 +214,8 @@ class CosformerFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         T = x.shape[-2]
         if offset + T > self.max_len:
-            raise UsageError(f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} "
+            raise UsageError(
+                f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} "
                              "(set it larger)")
         positions = torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
         angle = (math.pi / (2 * self.max_len) * positions)[:, None]                 # (T, 1)
@@ -314,7 +316,8 @@ def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
     (Nahshan et al. 2023, Eq. 10, App. A.7, as we read it): a line through Var[log P_ij] of LLN
     attention at s~^2 = 1..16 (n_tokens keys, q, k ~ N(0, I_D)). D = 64: a = 0.1482, b = -0.3600
     (published: 0.1486, -0.3549)."""
-    grid, g = torch.linspace(1.0, 16.0, 16, dtype=torch.float64), torch.Generator().manual_seed(seed)
+    grid, g = torch.linspace(1.0, 16.0, 16,
+                             dtype=torch.float64), torch.Generator().manual_seed(seed)
     ys = []
     for s2 in grid.tolist():
         q, k = torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
@@ -341,7 +344,8 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
         h_lln.append(entropy(_lln_log_weights(q, k, xs[-1])))
     h_lln = torch.tensor(h_lln, dtype=torch.float64)
     if not (h_lln[1:] < h_lln[:-1]).all() or h_lln[-1] > h_sm[-1]:
-        raise RuntimeError(f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at "
+        raise RuntimeError(
+            f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at "
                            f"s^2 = {s2_max}, at head_dim={head_dim}, n_tokens={n_tokens}")
     return s2_grid, _interp(-h_sm, -h_lln, torch.tensor(xs, dtype=torch.float64))
 
@@ -467,8 +471,10 @@ class AttnSpec:
     exact: str = ''           # KV heads kept exact softmax, with a KV cache of their own, e.g. 0+2
     decay: int = 0            # > 0: the linear state decays, S_t = lambda S_t-1 + phi(k_t) v_t^T, a
                               # learned lambda per head starting at a half-life of this many tokens
-    nope: int = 0             # 1: the linear part's maps see q, k with RoPE undone (issue 41; LoLCATs
-                              # maps the rotated ones): its weights then do not depend on the position
+    nope: int = 0             # 1: the linear part's maps see q, k with RoPE undone (issue 41;
+                              # LoLCATs
+                              # maps the rotated ones): its weights then do not depend on the
+                              # position
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -531,7 +537,8 @@ class AttnSpec:
             if not eq or key in settings or key in options:
                 raise UsageError(f"attention spec {s!r}: expected name:key=value:.. with distinct "
                                  f"keys, got {item!r}")
-            if cls.settings().get(key) is not str:   # a str setting stays as written ('0+2' is not JSON)
+            if cls.settings().get(key) is not str:   # a str setting stays as written ('0+2' is not
+                                                     # JSON)
                 with contextlib.suppress(ValueError):
                     value = json.loads(value)
             (settings if key in cls.settings() else options)[key] = value
@@ -541,7 +548,8 @@ class AttnSpec:
         parts = [f'{f.name}={getattr(self, f.name)}' for f in fields(self)
                  if f.name in self.settings() and getattr(self, f.name) != f.default]
         for key, value in self.options:
-            parts.append(f'{key}={value if isinstance(value, str) else json.dumps(value, default=str)}')
+            parts.append(
+                f'{key}={value if isinstance(value, str) else json.dumps(value, default=str)}')
         return ':'.join([self.name] + parts)
 
 # ---- 4. linear attention: quadratic, chunked, recurrent, triton -------------
@@ -656,13 +664,15 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     an initial_state. impl 'chunked' runs the Triton kernel on CUDA with triton installed, where it
     fits (causal, F <= 256, D <= 128), else PyTorch's chunked path; 'triton' insists."""
     _choose('impl', impl, IMPLS)
-    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
+    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[
+        :3] != phi_k.shape[:3]:
         raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
     F, D = phi_q.shape[-1], v.shape[-1]
     fits = causal and kernels.triton_available(v) and kernels.supports(F, D)   # the kernel fits
     if impl == 'triton' and not fits:
-        raise UsageError(f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) "
+        raise UsageError(
+            f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) "
                          f"and F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got "
                          f"causal={causal}, {v.device.type}, F={F}, D={D}: use impl='chunked'")
     if impl == 'triton' or (impl == 'chunked' and v.is_cuda and fits):

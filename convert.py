@@ -1,5 +1,6 @@
-"""Convert a pretrained softmax Transformer into a linear-attention one: the LoLCATs recipe (attention transfer,
-then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension selection.
+"""Convert a pretrained softmax Transformer into a linear-attention one: the LoLCATs recipe
+(attention transfer, then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension
+selection.
 
     python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
     python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...   (README recipe)
@@ -15,8 +16,9 @@ The pipeline (`run`):
     finetune  (stage 2)                     LoRA on q/k/v/o (or every weight) with the task loss
     model.save(out_dir/ckpt.pt, base=...)   only the new tensors; model.load(out_dir) rebuilds the rest
 After the swap and each stage, `evaluate` measures quality and attention fidelity (summary.json).
-Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss stop), in one
-process or under torchrun (each process its share of the --grad_accum micro-batches; all evaluate, rank 0 writes).
+Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss
+stop), in one process or under torchrun (each process its share of the --grad_accum micro-batches;
+all evaluate, rank 0 writes).
 """
 import json
 import math
@@ -39,47 +41,69 @@ import train
 from train import num
 
 LORA_LR, FULL_LR = 1e-3, 3e-4   # stage-2 learning rates (LoRA, full finetune)
-FIDELITY_BATCHES = 2            # attention fidelity is quadratic in T: the first 2 held-out batches,
-FIDELITY_TOKENS = 1024          # their first 1024 tokens (causal: the same rows; at 4096 SmolLM2's took 13 GB)
+FIDELITY_BATCHES = 2            # attention fidelity is quadratic in T: the first 2 held-out
+                                # batches,
+FIDELITY_TOKENS = 1024          # their first 1024 tokens (causal: the same rows; at 4096 SmolLM2's
+                                # took 13 GB)
 CALIB_BATCHES = 4               # training batches for calibration and DoF
-DOF_TOKENS = 4096               # DoF: the queries and keys of at most this many real tokens per head
+DOF_TOKENS = 4096               # DoF: the queries and keys of at most this many real tokens per
+                                # head
 
 @dataclass
 class ConvertConfig:
-    init_from: str = 'gpt2'       # the teacher: our checkpoint, a HF folder or hub name, or a .gguf file
-    tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the teacher's own
-    attn: str = 'hedgehog'        # the student's attention: hedgehog, lolcats:window=64:sinks=4, dof:feature_dim=64,
-                                  # softmax:window=64 (no linear part); softmax: the control run, stage 2 on the teacher
+    init_from: str = 'gpt2'       # the teacher: our checkpoint, a HF folder or hub name, or a .gguf
+                                  # file
+    tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the teacher's
+                                  # own
+    attn: str = 'hedgehog'        # the student's attention: hedgehog, lolcats:window=64:sinks=4,
+                                  # dof:feature_dim=64,
+                                  # softmax:window=64 (no linear part); softmax: the control run,
+                                  # stage 2 on the teacher
     layers: str = 'all'           # layers to convert: all | 0,2,5 | 0-3 | -1
-    task: Literal['lm', 'glue'] = 'lm'   # lm: next-token loss, perplexity; glue: a BERT classifier, its metric
+    task: Literal['lm', 'glue'] = 'lm'   # lm: next-token loss, perplexity; glue: a BERT classifier,
+                                         # its metric
     data: str = 'data/tinyshakespeare/input.txt'   # text (as train.py reads it), or the GLUE folder
     val_data: str = ''            # lm: held-out text ('' = the last 10 % of --data)
     glue_task: Literal[tuple(train.GLUE_TASKS)] = 'cola'
     block_size: int = num(128, ge=2)   # sequence length (at most the model's)
     batch_size: int = num(8, ge=1)   # per process, per micro-step
-    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step, over all processes (torchrun divides it)
-    eval_batches: int = num(8, ge=1)   # lm: held-out windows of block_size for quality (glue: the whole dev set)
+    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step, over all processes (torchrun
+                                     # divides it)
+    eval_batches: int = num(8, ge=1)   # lm: held-out windows of block_size for quality (glue: the
+                                       # whole dev set)
     stage1_iters: int = num(200, ge=0)   # attention-transfer steps
     lr: float = num(1e-2, gt=0, le=1)   # stage-1 learning rate (AdamW, no weight decay)
-    loss: str = 'auto'            # ce (Hedgehog Eq. 4) | mse (LoLCATs outputs) | l2 (DoF kernel) | sums: ce+0.1*mse;
+    loss: str = 'auto'            # ce (Hedgehog Eq. 4) | mse (LoLCATs outputs) | l2 (DoF kernel) |
+                                  # sums: ce+0.1*mse;
                                   # auto: mse for lolcats and the hybrids, ce otherwise
-    dof_budget: float = num(0.0, ge=0, le=2**16)   # > 0: per-layer feature dims from the DoF, this mean (DoF Alg. 1)
-    dof_lambda: float = num(2 ** -4, gt=0)   # lambda of tr(G (G + lambda I)^-1) (the paper's value for GPT-2)
-    dof_samples: int = num(256, ge=2, le=2 * DOF_TOKENS)   # J, the points sampled per head (of its queries and keys)
-    dof_clip: bool = False        # DoF + Clip: at most head_dim per layer (hedgehog: 2 head_dim), not redistributed
-    exact_heads: int = num(0, ge=0)   # > 0: this many KV heads (of all layers') stay exact softmax (spec exact=)
-    exact_rank: Literal['probe', 'random'] = 'probe'   # which: the teacher's retrieval probe's best, or at random
+    dof_budget: float = num(0.0, ge=0, le=2**16)   # > 0: per-layer feature dims from the DoF, this
+                                                   # mean (DoF Alg. 1)
+    dof_lambda: float = num(2 ** -4, gt=0)   # lambda of tr(G (G + lambda I)^-1) (the paper's value
+                                             # for GPT-2)
+    dof_samples: int = num(256, ge=2, le=2 * DOF_TOKENS)   # J, the points sampled per head (of its
+                                                           # queries and keys)
+    dof_clip: bool = False        # DoF + Clip: at most head_dim per layer (hedgehog: 2 head_dim),
+                                  # not redistributed
+    exact_heads: int = num(0, ge=0)   # > 0: this many KV heads (of all layers') stay exact softmax
+                                      # (spec exact=)
+    exact_rank: Literal['probe', 'random'] = 'probe'   # which: the teacher's retrieval probe's
+                                                       # best, or at random
     stage2_iters: int = num(200, ge=0)   # finetuning steps
-    lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's --lora_targets (alpha = 2 rank); 0 = full finetune
-    lora_targets: str = 'q,k,v,o'   # the projections LoRA adapts; v,o: q and k stay the teacher's (QK-Restore)
-    passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches: retrieval samples (passkey_batch)
+    lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's --lora_targets (alpha = 2 rank); 0
+                                    # = full finetune
+    lora_targets: str = 'q,k,v,o'   # the projections LoRA adapts; v,o: q and k stay the teacher's
+                                    # (QK-Restore)
+    passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches: retrieval
+                                                # samples (passkey_batch)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
-    fsdp: bool = False            # under torchrun: every block sharded over the processes (FSDP2), for a teacher
+    fsdp: bool = False            # under torchrun: every block sharded over the processes (FSDP2),
+                                  # for a teacher
                                   # too big for one device; LoRA only (--lora_rank > 0), --task lm
     seed: int = num(0, ge=0, lt=2**32)
-    report: str = ''              # comma-separated convert.py out_dirs: print their summary table and exit
+    report: str = ''              # comma-separated convert.py out_dirs: print their summary table
+                                  # and exit
 
     def __post_init__(self):
         train.check_ranges(self)
@@ -90,32 +114,39 @@ class ConvertConfig:
         if self.dof_clip and not self.dof_budget:
             raise UsageError("--dof_clip needs --dof_budget")
         if self.exact_heads and (self.task != 'lm' or self.spec.exact):
-            raise UsageError("--exact_heads is for --task lm, with an --attn that names no exact= heads")
+            raise UsageError(
+                "--exact_heads is for --task lm, with an --attn that names no exact= heads")
         self.weights = loss_weights(self.loss, self.spec)
         if not set(t := self.lora_targets.split(',')) <= set('qkvo') or len(set(t)) < len(t):
-            raise UsageError(f"--lora_targets {self.lora_targets!r}: a comma-separated subset of q,k,v,o")
+            raise UsageError(
+                f"--lora_targets {self.lora_targets!r}: a comma-separated subset of q,k,v,o")
         if self.passkey_mix and self.task != 'lm':
             raise UsageError("--passkey_mix is for --task lm")
 
-KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps l2 fits
+KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps
+                                               # l2 fits
 
 def loss_weights(spec, attn):
-    """'ce+0.1*mse' -> {'ce': 1.0, 'mse': 0.1}; auto: mse for lolcats and the hybrids (LoLCATs), else ce (Hedgehog).
-    (Never l2 by default: the raw kernel L2 is dominated by the largest exp(q.k/sqrt d) pairs; and l2 only for the
-    KERNEL_MAPS: for another map the kernel's scale is arbitrary, and l2 pulls it away from what the other losses
-    want: lolcats:activation=exp with mse+0.01*l2 raised the KL where mse alone lowered it, issue 35.)"""
+    """'ce+0.1*mse' -> {'ce': 1.0, 'mse': 0.1}; auto: mse for lolcats and the hybrids (LoLCATs),
+    else ce (Hedgehog). (Never l2 by default: the raw kernel L2 is dominated by the largest
+    exp(q.k/sqrt d) pairs; and l2 only for the KERNEL_MAPS: for another map the kernel's scale is
+    arbitrary, and l2 pulls it away from what the other losses want: lolcats:activation=exp with
+    mse+0.01*l2 raised the KL where mse alone lowered it, issue 35.)"""
     if spec == 'auto':
         spec = 'mse' if attn.window or attn.diag_block or attn.name == 'lolcats' else 'ce'
     w = {}
     for part in spec.split('+'):
         m = re.fullmatch(r'\s*(?:([0-9.eE+-]+)\*)?(ce|mse|l2)\s*', part)
         if not m:
-            raise UsageError(f"bad --loss part {part!r}: use ce, mse, l2 or a weighted sum such as 'ce+0.1*mse'")
+            raise UsageError(
+                f"bad --loss part {part!r}: use ce, mse, l2 or a weighted sum such as 'ce+0.1*mse'")
         w[m.group(2)] = float(m.group(1) or 1.0)
     if not any(w.values()) or min(w.values()) < 0:
         raise UsageError(f"--loss {spec!r}: the weights must be >= 0 and not all zero")
     if w.get('l2') and attn.name not in KERNEL_MAPS:
-        raise UsageError(f"--loss l2 compares phi(q).phi(k) with exp(q.k/sqrt d) itself, unnormalised: it fits the maps "
+        raise UsageError(
+            f"--loss l2 compares phi(q).phi(k) with exp(q.k/sqrt d) itself, unnormalised: it fits "
+            "the maps "
                          f"that estimate that kernel ({', '.join(KERNEL_MAPS)}), not {attn.name}")
     return w
 
@@ -131,27 +162,31 @@ def parse_layers(spec, n_layer):
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         for i in range(lo, hi + 1):
             if not -n_layer <= i < n_layer:
-                raise UsageError(f"unknown layer index {i}: the model has {n_layer} layers (0..{n_layer - 1})")
+                raise UsageError(
+                    f"unknown layer index {i}: the model has {n_layer} layers (0..{n_layer - 1})")
             out.add(i % n_layer)
     return sorted(out)
 
-# ---- DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec. 4.2) ----
-# Per head the DoF of the kernel's Gram matrix / J (the paper gives no J: 256); per layer their max.
+# ---- DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec.
+# 4.2) ---- Per head the DoF of the kernel's Gram matrix / J (the paper gives no J: 256); per layer
+# their max.
 DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1; 2^-8 for Pythia-1B)
 
 def exp_gram(x: torch.Tensor) -> torch.Tensor:
-    """S / J: the softmax kernel's Gram matrix [exp(x_i . x_j / sqrt D)] of x (J, D), divided by J (float64).
-    Sec. 3.1 defines DoF as tr(Sigma (Sigma + lambda I)^-1) of the kernel's integral operator Sigma; the
-    eigenvalues of S / J estimate Sigma's, so its DoF converges as J grows.  Algorithm 1 writes the Gram matrix
-    S itself: our departure.  Undivided, tr(S (S + lambda I)^-1) is the divided DoF at lambda / J, which drifts
-    towards J as J grows (tests/test_dof.py measures both)."""
+    """S / J: the softmax kernel's Gram matrix [exp(x_i . x_j / sqrt D)] of x (J, D), divided by J
+    (float64). Sec. 3.1 defines DoF as tr(Sigma (Sigma + lambda I)^-1) of the kernel's integral
+    operator Sigma; the eigenvalues of S / J estimate Sigma's, so its DoF converges as J grows.
+    Algorithm 1 writes the Gram matrix S itself: our departure.  Undivided, tr(S (S + lambda I)^-1)
+    is the divided DoF at lambda / J, which drifts towards J as J grows (tests/test_dof.py measures
+    both)."""
     x = x.double()
     logits = x @ x.T / math.sqrt(x.shape[-1])      # (J, J)
     return torch.exp(logits.clamp(max=700.0)) / x.shape[0]  # float64 overflows at exp(709)
 
 def degrees_of_freedom(gram: torch.Tensor, lam: float) -> float:
-    """N_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) over the eigenvalues s_i of a symmetric G (negative
-    round-off eigenvalues count as 0). lam <= 0 raises ValueError (at 0 the trace counts the rank, not a DoF)."""
+    """N_lambda = tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam) over the eigenvalues s_i of a
+    symmetric G (negative round-off eigenvalues count as 0). lam <= 0 raises ValueError (at 0 the
+    trace counts the rank, not a DoF)."""
     if lam <= 0:
         raise ValueError(f'lambda must be > 0, got {lam}')
     s = torch.linalg.eigvalsh(gram.double()).clamp(min=0)  # negative round-off -> 0
@@ -159,16 +194,18 @@ def degrees_of_freedom(gram: torch.Tensor, lam: float) -> float:
 
 def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256,
               generator: torch.Generator | None = None) -> list[float]:
-    """DoF of each head (Algorithm 1's loop over heads): J = n_samples points drawn without replacement from
-    the head's 2M pooled queries and keys; q, k (H, M, D)."""
-    return [degrees_of_freedom(exp_gram(x[torch.randperm(len(x), generator=generator)[:n_samples]]), lam)
+    """DoF of each head (Algorithm 1's loop over heads): J = n_samples points drawn without
+    replacement from the head's 2M pooled queries and keys; q, k (H, M, D)."""
+    return [degrees_of_freedom(
+        exp_gram(x[torch.randperm(len(x), generator=generator)[:n_samples]]), lam)
             for x in torch.cat([q, k], 1)]   # x: a head's (2M, D) queries and keys
 
 def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1) -> list[int]:
-    """Per-layer feature dimensions M_s = C dof_s / mean(dof) (Algorithm 1, last line; C = `budget`).
-    Ours: the mean is exact (the paper rounds each layer on its own): shares below min_dim are raised to it,
-    the others share the rest in proportion, rounded by largest remainder so the dims sum to round(C L).
-    clip: DoF + Clip (Sec. 4.2, at the head size): then clamped, nothing redistributed (mean cost < C)."""
+    """Per-layer feature dimensions M_s = C dof_s / mean(dof) (Algorithm 1, last line; C =
+    `budget`). Ours: the mean is exact (the paper rounds each layer on its own): shares below
+    min_dim are raised to it, the others share the rest in proportion, rounded by largest remainder
+    so the dims sum to round(C L). clip: DoF + Clip (Sec. 4.2, at the head size): then clamped,
+    nothing redistributed (mean cost < C)."""
     dofs, L = [float(d) for d in dofs], len(dofs)
     if budget <= 0:
         raise ValueError(f'budget must be > 0, got {budget}')
@@ -190,20 +227,26 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
         floored.update(under)
     real = [float(min_dim) if i in floored else share[i] for i in range(L)]
     dims = [max(min_dim, math.floor(r + 1e-9)) for r in real]
-    order = sorted(range(L), key=lambda i: (real[i] - math.floor(real[i] + 1e-9), w[i]), reverse=True)
-    for i in order[:max(0, total - sum(dims))]:  # largest remainders first (fewer than L units are left)
+    order = sorted(range(L), key=lambda i: (real[i] - math.floor(real[i] + 1e-9),
+                                            w[i]), reverse=True)
+    for i in order[:max(0, total - sum(dims))]:  # largest remainders first (fewer than L units are
+                                                 # left)
         dims[i] += 1
     return dims if clip is None else [min(d, int(clip)) for d in dims]
 
-def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_GPT2, n_samples: int = 256,
-                        clip: int | None = None, unit: int = 1, seed: int = 0, verbose: bool = True):
-    """DoF Algorithm 1 (+ Clip): layer_qk {layer: (q, k)}, q, k (H, M, D) teacher queries/keys after RoPE.
-    unit: feature dims come in multiples of it (hedgehog's F is 2 x its MLP outputs: those are allocated);
-    every layer gets at least 2. -> (dims {layer: int}, a table row per layer (with a clip: its 'unclipped' dim))."""
+def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_GPT2,
+                        n_samples: int = 256,
+                        clip: int | None = None, unit: int = 1, seed: int = 0,
+                        verbose: bool = True):
+    """DoF Algorithm 1 (+ Clip): layer_qk {layer: (q, k)}, q, k (H, M, D) teacher queries/keys after
+    RoPE. unit: feature dims come in multiples of it (hedgehog's F is 2 x its MLP outputs: those are
+    allocated); every layer gets at least 2. -> (dims {layer: int}, a table row per layer (with a
+    clip: its 'unclipped' dim))."""
     layers, g = sorted(layer_qk), torch.Generator().manual_seed(seed)
     per_head = [head_dofs(*layer_qk[l], lam, n_samples, g) for l in layers]
     layer_dof = [max(d) for d in per_head]
-    alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit, clip=c and c // unit,
+    alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit,
+                                                       clip=c and c // unit,
                                                        min_dim=max(1, 2 // unit))]
     dims, free = alloc(clip), alloc(None)
     table = [dict(layer=l, dof_heads=[round(x, 3) for x in h], dof_max=round(d, 3), feature_dim=fd,
@@ -214,21 +257,27 @@ def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_G
     return dict(zip(layers, dims)), table
 
 def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
-    """The per-layer DoF table (markdown) with its settings, the mean cost and a note where DoF nears J."""
+    """The per-layer DoF table (markdown) with its settings, the mean cost and a note where DoF
+    nears J."""
     c = clip is not None
     lines = [f'DoF feature-dimension selection (DoF Alg. 1): lambda={lam:g}, J={n_samples}, '
-             f'G = exp(x_i.x_j/sqrt d) / J, budget C={budget:g}' + (f', DoF + Clip at {clip}' if c else ''),
+             f'G = exp(x_i.x_j/sqrt d) / J, budget C={budget:g}' + (
+                 f', DoF + Clip at {clip}' if c else ''),
              '| layer | DoF per head | max DoF | feature_dim |' + (' before clip |' if c else ''),
              '|---|---|---|---|' + ('---|' if c else '')]
-    lines += [f"| {r['layer']} | {' '.join(f'{x:.1f}' for x in r['dof_heads'])} | {r['dof_max']:.2f} | "
+    lines += [
+        f"| {r['layer']} | {' '.join(f'{x:.1f}' for x in r['dof_heads'])} | {r['dof_max']:.2f} | "
               f"{r['feature_dim']} |" + (f" {r['unclipped']} |" if c else '') for r in table]
     if table:
         n_clipped = sum(r['unclipped'] > r['feature_dim'] for r in table) if c else 0
-        lines.append(f"mean feature_dim = {sum(r['feature_dim'] for r in table) / len(table):g} (budget C = "
-                     f'{budget:g}' + (f'; {n_clipped} of {len(table)} layers clipped at {clip}' if c else '') + ')')
+        lines.append(
+            f"mean feature_dim = {sum(r['feature_dim'] for r in table) / len(table):g} (budget C = "
+                     f'{budget:g}' + (f'; {n_clipped} of {len(table)} layers clipped at {clip}'
+                                      if c else '') + ')')
         top = max(r['dof_max'] for r in table)
         if top > 0.9 * n_samples:
-            lines.append(f'note: max DoF {top:.1f} is near J = {n_samples}, where the estimate saturates; '
+            lines.append(
+                f'note: max DoF {top:.1f} is near J = {n_samples}, where the estimate saturates; '
                          'a larger --dof_lambda separates the layers')
     return '\n'.join(lines)
 
@@ -259,11 +308,15 @@ def transfer_loss(core, q, k, v, mask, weights):
         ce = -(w_t * core.weights(q, k, **kw).clamp(min=1e-12).log()).sum(-1)    # (B, H, T)
         loss = loss + weights['ce'] * _row_mean(ce, mask)
     if weights.get('mse'):
-        loss = loss + weights['mse'] * _row_mean((core(q, k, v, **kw) - y_t).square().mean(-1), mask)
-    if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS), on the heads with a map
+        loss = loss + weights['mse'] * _row_mean(
+            (core(q, k, v, **kw) - y_t).square().mean(-1), mask)
+    if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS), on the heads with a
+                            # map
         q, k = q[:, core.rest_q], k[:, core.rest_q]
-        phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))   # the kernel, unnormalised:
-        phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]   # shifts undone
+        phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))   # the kernel,
+                                                                              # unnormalised:
+        # shifts undone
+        phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]
         if mask is not None:
             phi_k = phi_k * mask[:, None, :, None]
         loss = loss + weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)
@@ -272,25 +325,30 @@ def transfer_loss(core, q, k, v, mask, weights):
 # ---- data and evaluation -----------------------------------------------------
 @torch.no_grad()
 def _teacher_qkv(model, batch, layers, device):
-    """{layer: (q, k, v, key mask)} (model.capture_qkv) as the teacher runs on a text (x, y) or a GLUE batch."""
-    x, mask, types = (t.to(device) for t in batch[:3]) if len(batch) == 4 else (batch[0].to(device), None, None)
+    """{layer: (q, k, v, key mask)} (model.capture_qkv) as the teacher runs on a text (x, y) or a
+    GLUE batch."""
+    x, mask, types = (t.to(device) for t in batch[:3]) if len(batch) == 4 else (
+        batch[0].to(device), None, None)
     with model.capture_qkv(layers, teacher=True) as rec:
         model.hidden_states(x, attention_mask=mask, token_type_ids=types)
     return rec
 
 def load_task(cfg, model):
-    """train.Task with the teacher's tokenizer: --data's text (held out: --val_data or its last 10 %), or the
-    GLUE task's train and dev sets."""
-    tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (resolve: its ids fit the model)
+    """train.Task with the teacher's tokenizer: --data's text (held out: --val_data or its last 10
+    %), or the GLUE task's train and dev sets."""
+    tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (resolve: its ids fit the
+                                                                        # model)
     return train.Task(train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
-                                       val_data=cfg.val_data, glue_task=cfg.glue_task, batch_size=cfg.batch_size,
+                                       val_data=cfg.val_data, glue_task=cfg.glue_task,
+                                       batch_size=cfg.batch_size,
                                        seq_len=cfg.block_size, seed=cfg.seed), tok)
 
 @torch.no_grad()
 def evaluate(model, module, task, cfg, rt, layers):
-    """Quality -- lm: held-out perplexity (train.perplexity on the first eval_batches windows); glue: dev
-    loss and metric -- and attention fidelity: per converted layer, each on its teacher's own q, k, v (so
-    not compounded), the mean row KL(teacher softmax || student) in nats and the output MSE."""
+    """Quality -- lm: held-out perplexity (train.perplexity on the first eval_batches windows);
+    glue: dev loss and metric -- and attention fidelity: per converted layer, each on its teacher's
+    own q, k, v (so not compounded), the mean row KL(teacher softmax || student) in nats and the
+    output MSE."""
     model.eval()
     out = {}
     if cfg.task == 'glue':
@@ -300,7 +358,8 @@ def evaluate(model, module, task, cfg, rt, layers):
         ids = task.splits['val'][:cfg.eval_batches * cfg.batch_size * T + 1]
         out['quality'] = train.perplexity(model, ids, T, T, rt.device, cfg.batch_size)
     cores, kl, mse = model.attention_cores(), {l: 0.0 for l in layers}, {l: 0.0 for l in layers}
-    batches = [task.batch('val', s) for s in task.eval_batches('val', FIDELITY_BATCHES)] if layers else []
+    batches = [task.batch('val', s) for s in task.eval_batches('val',
+                                                               FIDELITY_BATCHES)] if layers else []
     for b in batches:
         rec = _teacher_qkv(model, b, layers, rt.device)
         for l in layers:
@@ -309,21 +368,27 @@ def evaluate(model, module, task, cfg, rt, layers):
                 q, k, v = (x[:, :, :FIDELITY_TOKENS] for x in (q, k, v))
             w_t, y_t = _teacher(cores[l], q, k, v, mask)
             kw = {} if mask is None else {'key_padding_mask': mask}
-            kl[l] += float(_row_mean(A.kl_divergence(w_t, cores[l].weights(q, k, **kw)), mask)) / len(batches)
-            mse[l] += float(_row_mean((cores[l](q, k, v, **kw) - y_t).square().mean(-1), mask)) / len(batches)
+            kl[l] += float(_row_mean(A.kl_divergence(w_t, cores[l].weights(q, k, **kw)),
+                                     mask)) / len(batches)
+            mse[l] += float(_row_mean((cores[l](q, k, v, **kw) - y_t).square().mean(-1),
+                                      mask)) / len(batches)
     return dict(out, kl_layers=kl, mse_layers=mse, kl_mean=sum(kl.values()) / max(len(kl), 1),
                 mse_mean=sum(mse.values()) / max(len(mse), 1))
 
 # ---- the pipeline ------------------------------------------------------------
 def teacher_qk(model, batches, layers, rt):
-    """{layer: (q, k, mask)}: the teacher's queries and keys (N, H, T, D) on calibration batches, their sequences
-    stacked (GLUE's sentences padded to the longest); mask (N, T): True at real tokens."""
+    """{layer: (q, k, mask)}: the teacher's queries and keys (N, H, T, D) on calibration batches,
+    their sequences stacked (GLUE's sentences padded to the longest); mask (N, T): True at real
+    tokens."""
     recs, out = [_teacher_qkv(model, b, layers, rt.device) for b in batches], {}
     T = max(r[l][0].shape[2] for r in recs for l in layers)
-    grow = lambda x, d: torch.cat([x, x.new_zeros(*x.shape[:d], T - x.shape[d], *x.shape[d + 1:])], d)  # noqa: E731
+    # noqa: E731
+    grow = lambda x, d: torch.cat([x, x.new_zeros(*x.shape[:d], T - x.shape[d],
+                                                  *x.shape[d + 1:])], d)
     for l in layers:
         q, k = (torch.cat([grow(r[l][i].float(), 2) for r in recs]) for i in (0, 1))
-        masks = [torch.ones(r[l][0].shape[0], r[l][0].shape[2], dtype=torch.bool, device=q.device) if r[l][3] is None
+        masks = [torch.ones(r[l][0].shape[0], r[l][0].shape[2], dtype=torch.bool,
+                            device=q.device) if r[l][3] is None
                  else r[l][3].bool() for r in recs]
         out[l] = (q, k, torch.cat([grow(m, 1) for m in masks]))
     return out
@@ -331,14 +396,16 @@ def teacher_qk(model, batches, layers, rt):
 # ---- exact heads (issue 36): the teacher's retrieval heads keep exact softmax ----
 @torch.no_grad()
 def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
-    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: on passkey prompts of about `length` tokens
-    (train.passkey_prompts: depth 50 %, the probe's template and seed 1, not the test's) with the answer
-    teacher-forced, the attention mass its query heads put on the key's tokens (both mentions), averaged over the
-    rows that predict the answer, the query heads and the prompts. A soft form of Wu et al. 2024's retrieval score
-    (how often the head's largest weight is on the token being copied): it needs no correct greedy answer."""
+    """Each KV head's retrieval score on the teacher, (L, H_kv) float64: on passkey prompts of about
+    `length` tokens (train.passkey_prompts: depth 50 %, the probe's template and seed 1, not the
+    test's) with the answer teacher-forced, the attention mass its query heads put on the key's
+    tokens (both mentions), averaged over the rows that predict the answer, the query heads and the
+    prompts. A soft form of Wu et al. 2024's retrieval score (how often the head's largest weight is
+    on the token being copied): it needs no correct greedy answer."""
     cfg = model.config
     score = torch.zeros(cfg.n_layer, cfg.n_kv_head, dtype=torch.float64)
-    prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,), samples=samples, seed=seed,
+    prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,),
+                                    samples=samples, seed=seed,
                                     template='probe')
     for p in prompts:
         text, n = p['input'] + ' ' + p['target'], len(tok.encode(p['input']))
@@ -347,13 +414,15 @@ def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
         with model.capture_qkv(teacher=True) as rec:
             model(torch.tensor([ids], device=device))
         for l, (q, k, _, _) in rec.items():
-            w = A.softmax_weights(q[:, :, n - 1:], k, attn_mask=A.causal_mask(len(ids) - n + 1, len(ids), q.device))
-            score[l] += w[0][..., keys].sum(-1).mean(-1).double().cpu().view(cfg.n_kv_head, -1).mean(-1) / len(prompts)
+            w = A.softmax_weights(q[:, :, n - 1:], k, attn_mask=A.causal_mask(len(ids) - n + 1,
+                                                                              len(ids), q.device))
+            score[l] += w[0][..., keys].sum(-1).mean(-1).double().cpu().view(
+                cfg.n_kv_head, -1).mean(-1) / len(prompts)
     return score
 
 def exact_heads(scores, n, rank='probe', seed=0):
-    """{layer: sorted KV heads} of the n heads kept exact, among those scored >= 0 (L, H_kv): the n best scores
-    (rank 'probe'), or n at random (the control)."""
+    """{layer: sorted KV heads} of the n heads kept exact, among those scored >= 0 (L, H_kv): the n
+    best scores (rank 'probe'), or n at random (the control)."""
     flat = scores.flatten()
     cand = (flat >= 0).nonzero()[:, 0]
     order = cand[flat[cand].argsort(descending=True)] if rank == 'probe' else \
@@ -364,45 +433,57 @@ def exact_heads(scores, n, rank='probe', seed=0):
     return out
 
 def swap(model, cfg, layers, qk):
-    """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k; with
-    --exact_heads, the heads kept exact on each layer), calibrated on the teacher's q, k."""
+    """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k;
+    with --exact_heads, the heads kept exact on each layer), calibrated on the teacher's q, k."""
     spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
-        seen = {l: M.make_core(model.config, spec).map_inputs(*qk[l][:2]) for l in layers}   # (nope: RoPE undone)
-        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :DOF_TOKENS].cpu() for x in seen[l])
+        # (nope: RoPE undone)
+        seen = {l: M.make_core(model.config, spec).map_inputs(*qk[l][:2]) for l in layers}
+        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[
+            :, :DOF_TOKENS].cpu() for x in seen[l])
                   for l in layers}   # (H, N, D): the real tokens
         clip = unit * model.config.head_dim if cfg.dof_clip else None
-        dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda, cfg.dof_samples, clip,
+        dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda,
+                                                     cfg.dof_samples, clip,
                                                      unit, cfg.seed)
-        specs = {l: replace(spec, options=tuple(sorted({**dict(spec.options), 'feature_dim': d}.items())))
+        specs = {l: replace(spec,
+                            options=tuple(sorted({**dict(spec.options), 'feature_dim': d}.items())))
                  for l, d in dims.items()}
     if cfg.exact_heads:
         scores = retrieval_scores(model, model.tokenizer, next(model.parameters()).device)
-        scores[[l for l in range(len(scores)) if l not in layers]] = -1.0   # heads of converted layers only
-        out.update(retrieval_scores=scores.tolist(), exact_heads=exact_heads(scores, cfg.exact_heads, cfg.exact_rank,
+        scores[[l for l in range(len(scores)) if l not in layers]] = -1.0   # heads of converted
+                                                                            # layers only
+        out.update(retrieval_scores=scores.tolist(),
+                   exact_heads=exact_heads(scores, cfg.exact_heads, cfg.exact_rank,
                                                                                 cfg.seed))
-        specs.update({l: replace(specs[l], exact='+'.join(map(str, h))) for l, h in out['exact_heads'].items()})
+        specs.update({l: replace(specs[l], exact='+'.join(map(str, h)))
+                      for l, h in out['exact_heads'].items()})
         print(f"exact KV heads ({cfg.exact_rank}): {out['exact_heads']}", flush=True)
     for l, s in specs.items():   # (set_attention: on the model's device)
         model.set_attention(s, [l])
         model.attention_cores()[l].calibrate(*qk[l])   # LLN's moments, the 'mix' window share
-    out['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap, 'feature_dim', 0) for l in layers}
+    out['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap,
+                                      'feature_dim', 0) for l in layers}
     return out
 
 def _schedule(cfg, iters, lr):
-    """A stage's train.Schedule: its steps at a constant learning rate (no warmup, no weight decay)."""
-    return train.Schedule(iters, lr, min_lr_ratio=1.0, grad_accum=cfg.grad_accum, out_dir=cfg.out_dir, seed=cfg.seed)
+    """A stage's train.Schedule: its steps at a constant learning rate (no warmup, no weight
+    decay)."""
+    return train.Schedule(iters, lr, min_lr_ratio=1.0, grad_accum=cfg.grad_accum,
+                          out_dir=cfg.out_dir, seed=cfg.seed)
 
 class Through(torch.nn.ModuleList):
-    """Modules whose forward(fn) is fn(): a DDP wrapper around them averages the gradients of what fn computes."""
+    """Modules whose forward(fn) is fn(): a DDP wrapper around them averages the gradients of what
+    fn computes."""
     def forward(self, fn):
         return fn()
 
 def transfer(model, task, cfg, rt, layers):
-    """Stage 1: the teacher frozen (every core in teacher mode for the forward pass), only the converted
-    cores' parameters train, each layer on its own teacher q, k, v (so all layers train at once). Under torchrun
-    each process captures q, k, v on its own batches; the cores (whole on every process) train under DDP."""
+    """Stage 1: the teacher frozen (every core in teacher mode for the forward pass), only the
+    converted cores' parameters train, each layer on its own teacher q, k, v (so all layers train at
+    once). Under torchrun each process captures q, k, v on its own batches; the cores (whole on
+    every process) train under DDP."""
     params = [p for l in layers for p in model.attention_cores()[l].parameters()]
     if not params or not cfg.stage1_iters:
         print("stage 1: skipped" + ('' if cfg.stage1_iters else ' (0 steps)') + (
@@ -415,7 +496,8 @@ def transfer(model, task, cfg, rt, layers):
 
     def loss_fn(net, batch):   # net: the cores, or their DDP wrapper
         rec = _teacher_qkv(model, batch, layers, rt.device)
-        return net(lambda: sum(transfer_loss(cores[l], *rec[l], cfg.weights) for l in layers) / len(layers))
+        return net(lambda: sum(transfer_loss(cores[l], *rec[l], cfg.weights)
+                               for l in layers) / len(layers))
     model.eval()   # no dropout in the teacher; the students' parameters still get gradients
     out = train.fit(Through(cores[l] for l in layers), params, loss_fn, task.next_batch,
                     _schedule(cfg, cfg.stage1_iters, cfg.lr), rt, log_name='stage1.jsonl')
@@ -426,25 +508,31 @@ def transfer(model, task, cfg, rt, layers):
     return dict(out, loss_first=losses[0], loss_last=losses[-1])
 
 def passkey_batch(tok, gen, block_size, batch_size):
-    """(x, y) of stage-2 retrieval samples: passkey prompts of PASSKEY_TEMPLATES['train'] (not the probe's, not the
-    test's) of block_size / 4 to block_size tokens, the key at a random depth, then the answer; y is -100 (no loss)
-    but at the answer's tokens. Right-padded, so each row's tokens see the same as alone (causal)."""
+    """(x, y) of stage-2 retrieval samples: passkey prompts of PASSKEY_TEMPLATES['train'] (not the
+    probe's, not the test's) of block_size / 4 to block_size tokens, the key at a random depth, then
+    the answer; y is -100 (no loss) but at the answer's tokens. Right-padded, so each row's tokens
+    see the same as alone (causal)."""
     xs, ys, lo = [], [], block_size // 4
     hi = max(block_size - 7, lo + 1)   # room left for the answer: ' ' and the key's 5 digits
     for _ in range(batch_size):
-        seed, depth, length = (int(torch.randint(a, b, (), generator=gen)) for a, b in ((0, 2**31), (0, 101), (lo, hi)))
-        p = train.passkey_prompts(tok, [length], depths=(depth,), samples=1, seed=seed, template='train')[0]
+        seed, depth, length = (int(torch.randint(a, b, (), generator=gen)) for a, b in (
+            (0, 2**31), (0, 101), (lo, hi)))
+        p = train.passkey_prompts(tok, [length], depths=(depth,), samples=1, seed=seed,
+                                  template='train')[0]
         n_prompt, ids = len(tok.encode(p['input'])), tok.encode(p['input'] + ' ' + p['target'])
         if len(ids) - 1 > block_size:
-            raise UsageError(f"--passkey_mix: a retrieval sample takes {len(ids) - 1} tokens, over --block_size")
+            raise UsageError(
+                f"--passkey_mix: a retrieval sample takes {len(ids) - 1} tokens, over --block_size")
         xs.append(ids[:-1])
-        ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])   # row i predicts ids[i + 1]: only the answer's rows
+        ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])   # row i predicts ids[i + 1]: only the
+                                                              # answer's rows
     T = max(len(x) for x in xs)
-    return tuple(torch.tensor([r + [pad] * (T - len(r)) for r in rows]) for rows, pad in ((xs, 0), (ys, -100)))
+    return tuple(torch.tensor([r + [pad] * (T - len(r)) for r in rows]) for rows, pad in (
+        (xs, 0), (ys, -100)))
 
 def finetune(model, module, task, cfg, rt):
-    """Stage 2: the task loss (next token, or the GLUE classifier's) on the LoRA factors of every layer's
-    --lora_targets (q/k/v/o) plus a new classifier, or on every weight (--lora_rank 0)."""
+    """Stage 2: the task loss (next token, or the GLUE classifier's) on the LoRA factors of every
+    layer's --lora_targets (q/k/v/o) plus a new classifier, or on every weight (--lora_rank 0)."""
     if not cfg.stage2_iters:
         return None
     model.requires_grad_(cfg.lora_rank == 0)
@@ -458,15 +546,17 @@ def finetune(model, module, task, cfg, rt):
     model.train()
     def batch(g):   # a retrieval sample at --passkey_mix's rate, else the task's
         pk = cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix
-        return passkey_batch(model.tokenizer, g, cfg.block_size, cfg.batch_size) if pk else task.next_batch(g)
+        return passkey_batch(model.tokenizer, g, cfg.block_size,
+                             cfg.batch_size) if pk else task.next_batch(g)
     out = train.fit(module, params, train.task_loss, batch, _schedule(cfg, cfg.stage2_iters, lr),
                     rt, log_name='stage2.jsonl')
     model.requires_grad_(False)
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')
 
 def add_lora(model, cfg):
-    """LoRA on every layer's --lora_targets, drawn from --seed (the same on every process, whenever it is added: --fsdp
-    adds it first) and leaving the random stream as it was; B = 0: the model unchanged."""
+    """LoRA on every layer's --lora_targets, drawn from --seed (the same on every process, whenever
+    it is added: --fsdp adds it first) and leaving the random stream as it was; B = 0: the model
+    unchanged."""
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
         targets = [f'{t}_proj' for t in cfg.lora_targets.split(',')]
@@ -475,9 +565,10 @@ def add_lora(model, cfg):
     return model
 
 def shard(model, cfg, rt):
-    """--fsdp: LoRA first when stage 2 runs (no module is replaced after sharding), then FSDP2 on every block, its
-    frozen weights included, then the root. The attention cores stay whole on every process (stage 1, calibration
-    and fidelity call them on captured q, k, v; DDP averages their gradients in stage 1)."""
+    """--fsdp: LoRA first when stage 2 runs (no module is replaced after sharding), then FSDP2 on
+    every block, its frozen weights included, then the root. The attention cores stay whole on every
+    process (stage 1, calibration and fidelity call them on captured q, k, v; DDP averages their
+    gradients in stage 1)."""
     if cfg.stage2_iters:
         add_lora(model, cfg)
     cores = {p for c in model.attention_cores() for p in c.parameters()}
@@ -489,8 +580,10 @@ def shard(model, cfg, rt):
 def check_fits(cfg, c, layers):
     """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
     kv, side = len(layers) * c.n_kv_head, min(c.n_embd, c.n_kv_head * c.head_dim)
-    for name, most, what in (('block_size', c.block_size, f"the teacher's {c.block_size} positions"),
-                             ('exact_heads', kv - 1, f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
+    for name, most, what in (('block_size', c.block_size,
+                              f"the teacher's {c.block_size} positions"),
+                             ('exact_heads', kv - 1,
+                              f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
                              ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")):
         if getattr(cfg, name) > most:
             raise UsageError(f"--{name} {getattr(cfg, name)} is more than {what}")
@@ -499,7 +592,8 @@ def run(cfg):
     """The whole conversion -> the summary (also out_dir/summary.json)."""
     t_start, rt = time.time(), train.setup(cfg.device, 'float32', cfg.grad_accum)
     if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
-        raise UsageError("--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
+        raise UsageError(
+            "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
                          "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
     if not rt.master:   # under torchrun rank 0 prints
         sys.stdout = open(os.devnull, 'w')
@@ -510,16 +604,21 @@ def run(cfg):
     if cfg.task == 'glue' and c.family != 'bert':
         raise UsageError(f"--task glue needs a BERT model, this one is {c.family!r}")
     if cfg.task == 'lm' and c.family == 'bert' and cfg.stage2_iters:
-        raise UsageError("a BERT model has no next-token loss: use --task glue (or --stage2_iters 0)")
+        raise UsageError(
+            "a BERT model has no next-token loss: use --task glue (or --stage2_iters 0)")
     layers = parse_layers(cfg.layers, c.n_layer)
     check_fits(cfg, c, layers)
     task = load_task(cfg, model)
     module = train.Classifier(model, num_labels) if cfg.task == 'glue' else model
     shard(model, cfg, rt) if cfg.fsdp else module.to(rt.device)
-    calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i)) for i in range(CALIB_BATCHES)]
-    print(f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of {c.head_dim}) to "
+    calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i))
+             for i in range(CALIB_BATCHES)]
+    print(
+        f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of "
+        f"{c.head_dim}) to "
           f"{cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
-    summary = dict(config=asdict(cfg), attn=str(cfg.spec), family=c.family, layers=layers, loss_weights=cfg.weights,
+    summary = dict(config=asdict(cfg), attn=str(cfg.spec), family=c.family, layers=layers,
+                   loss_weights=cfg.weights,
                    teacher=evaluate(model, module, task, cfg, rt, []).get('quality'), stages={})
     if cfg.task == 'lm' and summary['teacher']:
         summary['unigram'] = unigram_loss(task.splits['train'], task.splits['val'], c.vocab_size)
@@ -534,32 +633,40 @@ def run(cfg):
             continue
         rec = summary['stages'][name] = dict(fit, **evaluate(model, module, task, cfg, rt, layers))
         print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats ["
-              + ' '.join(f"L{l}={v:.3f}" for l, v in rec['kl_layers'].items()) + f"], output MSE {rec['mse_mean']:.4g}"
-              + ''.join(f" | {k} {v:.4g}" for k, v in (rec.get('quality') or {}).items() if isinstance(v, float)),
+              + ' '.join(f"L{l}={v:.3f}" for l, v in rec[
+                  'kl_layers'].items()) + f"], output MSE {rec['mse_mean']:.4g}"
+              + ''.join(f" | {k} {v:.4g}" for k, v in (rec.get('quality') or {}).items()
+                        if isinstance(v, float)),
               flush=True)
     full = cfg.stage2_iters and not cfg.lora_rank
-    base = os.path.abspath(cfg.init_from) if os.path.exists(cfg.init_from) else cfg.init_from   # or a hub name
-    tensors = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+    # or a hub name
+    base = os.path.abspath(cfg.init_from) if os.path.exists(cfg.init_from) else cfg.init_from
+    tensors = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True)) \
         if cfg.fsdp else None   # (gathered on rank 0)
     summary['held'] = held(model, rt)
     if rt.ddp:
         dist.destroy_process_group()
     if not rt.master:
         return None
-    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base, keep=('classifier.',),
+    M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base,
+           keep=('classifier.',),
            tensors=tensors)
     summary['seconds'] = round(time.time() - t_start, 1)
     with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
         json.dump(summary, f, indent=2, default=str)
-    os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'), os.path.join(cfg.out_dir, 'summary.json'))
+    os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'),
+               os.path.join(cfg.out_dir, 'summary.json'))
     print(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)", flush=True)
     return summary
 
 def held(model, rt):
-    """What each process holds, one entry per process: {'param_bytes' (under FSDP: its shards and the whole cores),
-    'peak_bytes' (CUDA's most allocated; None on the CPU)}."""
-    mine = dict(param_bytes=sum((p.to_local() if hasattr(p, 'to_local') else p).nbytes for p in model.parameters()),
-                peak_bytes=torch.cuda.max_memory_allocated(rt.device) if rt.device.startswith('cuda') else None)
+    """What each process holds, one entry per process: {'param_bytes' (under FSDP: its shards and
+    the whole cores), 'peak_bytes' (CUDA's most allocated; None on the CPU)}."""
+    mine = dict(param_bytes=sum((p.to_local() if hasattr(p, 'to_local') else p).nbytes
+                                for p in model.parameters()),
+                peak_bytes=torch.cuda.max_memory_allocated(
+                    rt.device) if rt.device.startswith('cuda') else None)
     out = [mine] * rt.world
     if rt.ddp:
         dist.all_gather_object(out, mine)
@@ -568,15 +675,18 @@ def held(model, rt):
 def unigram_loss(train_ids, val_ids, vocab_size):
     """Held-out cross-entropy (nats/token) of an add-one unigram model of the training tokens: the
     no-context baseline of the recovery figure."""
-    counts = torch.bincount(torch.as_tensor(train_ids).flatten(), minlength=vocab_size).double() + 1.0
+    counts = torch.bincount(torch.as_tensor(train_ids).flatten(),
+                            minlength=vocab_size).double() + 1.0
     return float(-(counts / counts.sum()).log()[torch.as_tensor(val_ids).flatten()].mean())
 
 # ---- the table of several conversions, and the command line ------------------
 def report(dirs):
-    """A markdown table of conversions' summary.json: quality (perplexity, or the GLUE metric) of the teacher
-    and after each stage, mean KL to the teacher's attention, recovery (lm: 100 (L_unigram - L) /
-    (L_unigram - L_teacher), the share of the teacher's gain over a unigram model) and wall time."""
-    rows = ['| run | attn | teacher | swap | stage 1 | stage 2 | KL swap | KL stage 1 | KL stage 2 | '
+    """A markdown table of conversions' summary.json: quality (perplexity, or the GLUE metric) of
+    the teacher and after each stage, mean KL to the teacher's attention, recovery (lm: 100
+    (L_unigram - L) / (L_unigram - L_teacher), the share of the teacher's gain over a unigram model)
+    and wall time."""
+    rows = [
+        '| run | attn | teacher | swap | stage 1 | stage 2 | KL swap | KL stage 1 | KL stage 2 | '
             'recovery s1 % | recovery s2 % | time |', '|' + '---|' * 12]
     fmt = lambda x, spec: '-' if x is None else format(x, spec)
     for d in dirs:
@@ -584,10 +694,12 @@ def report(dirs):
             s = json.load(f)
         t, u = s.get('teacher'), s.get('unigram')
         st = [s['stages'].get(n) or {} for n in ('swap', 'stage1', 'stage2')]
-        quality = [t] + [x.get('quality') for x in st]   # ppl or the GLUE metric: teacher, swap, stage 1, stage 2
+        quality = [t] + [x.get('quality') for x in st]   # ppl or the GLUE metric: teacher, swap,
+                                                         # stage 1, stage 2
         cells = [fmt((q or {}).get('ppl', (q or {}).get('dev_main')), '.4g') for q in quality]
         cells += [fmt(x.get('kl_mean'), '.3f') for x in st]
-        cells += [fmt(100 * (u - q['nll']) / (u - t['nll']) if q and u and 'nll' in q and u > t['nll'] else None, '.1f')
+        cells += [fmt(100 * (u - q['nll']) / (u - t['nll']) if q and u and 'nll' in q
+                      and u > t['nll'] else None, '.1f')
                   for q in quality[2:]]   # recovery after stages 1 and 2
         name = os.path.basename(os.path.normpath(d))
         rows.append(f"| {name} | {s['attn']} | {' | '.join(cells)} | {s['seconds']:.0f} s |")
@@ -598,7 +710,8 @@ def main(argv=None):
         cfg, _ = train.parse_config(ConvertConfig, argv, __doc__)
         print(report([d for d in cfg.report.split(',') if d])) if cfg.report else run(cfg)
         return 0
-    except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:   # one line; bugs: a traceback
+    except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:   # one line; bugs: a
+                                                                             # traceback
         print(f"convert.py: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

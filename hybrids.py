@@ -1,22 +1,24 @@
 """
-One layer's attention, `Attention`, and the families it runs: one small class each, its all-tokens (parallel) form,
-its one-token step and its decode state side by side. In reading order:
-  1. the hybrids, all tokens at once: sliding-window softmax + linear (LoLCATs-w), block-diagonal softmax + linear
-     (LLN+Diag)
-  2. the states' parts: LinearState (S, z, m), Slots (pairs in fixed slots); state_nbytes, static_state (a CUDA
-     graph's), copy_state_
+One layer's attention, `Attention`, and the families it runs: one small class each, its all-tokens
+(parallel) form, its one-token step and its decode state side by side. In reading order:
+  1. the hybrids, all tokens at once: sliding-window softmax + linear (LoLCATs-w), block-diagonal
+     softmax + linear (LLN+Diag)
+  2. the states' parts: LinearState (S, z, m), Slots (pairs in fixed slots); state_nbytes,
+     static_state (a CUDA graph's), copy_state_
   3. Attention, the thin layer: the spec, the exact heads (SplitState), the features the maps see
-  4. the families: Softmax (KVCache), Linear (LinearState; fusable/fused_step: its step and Window's in one Triton
-     launch), Window (WindowState), Diag (DiagState), Lola (LolaState; LoLA's update, lola_select; its schedule
-     written out token by token in float64, what the fast forms are tested against: tests/test_cache.py)
+  4. the families: Softmax (KVCache), Linear (LinearState; fusable/fused_step: its step and Window's
+     in one Triton launch), Window (WindowState), Diag (DiagState), Lola (LolaState; LoLA's update,
+     lola_select; its schedule written out token by token in float64, what the fast forms are tested
+     against: tests/test_cache.py)
 
-A decode state is a value: a step returns a new state and never writes where an older state reads, so continuations
-of one state (branches, beam search, a chat that rewinds) each equal the full forward on their tokens, whatever order
-they run in. Slots are rewritten out of place (a copy of the window's pairs a step, as the linear state's S is new
-each step); a KV cache appends past the n tokens its older states read, copying first where another continuation
-wrote already. Only a CUDA graph's state (static_state: buffers of its own) is written in place. A step's shapes do
-not depend on the position (a tensor on the device): model.DecodeGraph replays it. q, k, v: (B, H, T, D) after RoPE,
-k and v repeated to H heads; states keep the H_kv = H / kv_groups key/value heads (k[:, ::g]).
+A decode state is a value: a step returns a new state and never writes where an older state reads,
+so continuations of one state (branches, beam search, a chat that rewinds) each equal the full
+forward on their tokens, whatever order they run in. Slots are rewritten out of place (a copy of the
+window's pairs a step, as the linear state's S is new each step); a KV cache appends past the n
+tokens its older states read, copying first where another continuation wrote already. Only a CUDA
+graph's state (static_state: buffers of its own) is written in place. A step's shapes do not depend
+on the position (a tensor on the device): model.DecodeGraph replays it. q, k, v: (B, H, T, D) after
+RoPE, k and v repeated to H heads; states keep the H_kv = H / kv_groups key/value heads (k[:, ::g]).
 """
 
 import math
@@ -32,20 +34,24 @@ from attention import NO_KEY, UsageError, acc, divide, exp_as, linear_attention,
 
 # ---- 1. the hybrids, all tokens at once ----------------------------------------
 def _band_blocks(x, w):
-    """(B, H, T, E) -> (B, H, n = ceil(T / w), 3w, E): for each block b of w rows, blocks b - 1, b, b + 1 (0-padded)."""
+    """(B, H, T, E) -> (B, H, n = ceil(T / w), 3w, E): for each block b of w rows, blocks b - 1, b,
+    b + 1 (0-padded)."""
     n = math.ceil(x.shape[2] / w)
     x = nnf.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
     return x.unfold(2, 3 * w, w).transpose(-1, -2)  # windows of 3w rows every w rows
 
 def _in_window(i, j, w, causal):
-    """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees the rest."""
+    """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees
+    the rest."""
     return ((i - j < w) & (i >= j)) if causal else ((i - j).abs() < w)
 
 def _window_softmax(q, k, v, visible):
     """The window part, unnormalised: (a v, sum_j a, m), a_ij = exp(s_ij - m_i) where visible, s_ij
     = q_i.k_j / sqrt(D), m_i the row's largest visible score (0 for a row that sees no key)."""
-    s = torch.einsum('...id,...jd->...ij', q, k).masked_fill(~visible, float('-inf')) * q.shape[-1] ** -0.5
-    m = s.amax(-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # -inf: a row that sees no key
+    s = torch.einsum('...id,...jd->...ij', q, k).masked_fill(~visible,
+                                                             float('-inf')) * q.shape[-1] ** -0.5
+    m = s.amax(-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # -inf: a row that
+                                                                              # sees no key
     a = torch.exp(s - m)
     return a @ v, a.sum(-1), m[..., 0]
 
@@ -59,20 +65,22 @@ def _merge(a, b):
     return a[0] * ra[..., None] + b[0] * rb[..., None], a[1] * ra + b[1] * rb, m
 
 def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
-    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w, den_w, m from
-    _window_softmax; num_l, den_l the linear sums of shifted features (exact mass exp(c) den_l); factor (H,).
+    """The window and linear parts of the sliding-window hybrid combined, per query row: num_w,
+    den_w, m from _window_softmax; num_l, den_l the linear sums of shifted features (exact mass
+    exp(c) den_l); factor (H,).
       joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i)
             and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are <=
             gamma, on the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at sinks);
       mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
-    As p y_window + (1 - p) y_linear, p the window part's share: for joint, gamma den_w against exp(c) den_l, in log
-    space. A row without linear keys is the window part, one without window keys the linear part, 0 with neither.
-    Returns y and p, float32."""
+    As p y_window + (1 - p) y_linear, p the window part's share: for joint, gamma den_w against
+    exp(c) den_l, in log space. A row without linear keys is the window part, one without window
+    keys the linear part, 0 with neither. Returns y and p, float32."""
     has_w, has_l = den_w > 0, den_l > 0
     den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
     y_w, y_l = num_w / den_w[..., None], num_l / den_l[..., None]      # each part normalised
     f = factor.to(den_w.dtype).view(-1, *([1] * (den_w.dim() - 2)))   # (H, 1..) against (B, H, ..)
-    p = torch.sigmoid(f.log() + den_w.log() - c.to(den_w.dtype) - den_l.log()) if combine == 'joint' else \
+    p = torch.sigmoid(f.log() + den_w.log() - c.to(den_w.dtype)
+                      - den_l.log()) if combine == 'joint' else \
         f.expand_as(den_w)
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)
     return y_l + p[..., None] * (y_w - y_l), p
@@ -84,8 +92,10 @@ def _window_part(q, k, v, w, n_sinks, causal, keys):
     B, H, T, D = q.shape
     n = math.ceil(T / w)
     q_blocks = nnf.pad(q, (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)      # (B, H, n, w, D)
-    rows = torch.arange(n * w, device=q.device).view(n, w, 1)                # (n, w, 1) query positions
-    cols = rows[:, :1] - w + torch.arange(3 * w, device=q.device)            # (n, 1, 3w) key positions
+    rows = torch.arange(n * w, device=q.device).view(n, w, 1)                # (n, w, 1) query
+                                                                             # positions
+    cols = rows[:, :1] - w + torch.arange(3 * w, device=q.device)            # (n, 1, 3w) key
+                                                                             # positions
     real = _band_blocks(keys[:, None, :, None].float(), w)[..., 0] > 0.5     # (B, 1, n, 3w)
     visible = _in_window(rows, cols, w, causal) & real[:, :, :, None, :]     # (B, 1, n, w, 3w)
     parts = _window_softmax(q_blocks, _band_blocks(k, w), _band_blocks(v, w), visible)
@@ -112,12 +122,13 @@ def _linear_part(phi_q, phi_k, v, c_k, w, impl, chunk_size):
 
 def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True,
                             key_padding_mask=None, chunk_size=64):
-    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from spec: softmax over
-    W(i) = {i - window < j <= i} (causal) or {|i - j| < window}, phi(q_i).phi(k_j) over the other keys (exact kernel:
-    exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks: keys j < sinks join every query's softmax part (StreamingLLM's sink
-    tokens, Xiao et al. 2024), not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k:
-    0 at padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory. Returns y and each row's share of attention on
-    the softmax part (combine_window_linear)."""
+    """Sliding-window softmax + linear attention (LoLCATs-w), window, sinks, combine and impl from
+    spec: softmax over W(i) = {i - window < j <= i} (causal) or {|i - j| < window},
+    phi(q_i).phi(k_j) over the other keys (exact kernel: exp(c_q_i + c_k_j) phi_q_i.phi_k_j). sinks:
+    keys j < sinks join every query's softmax part (StreamingLLM's sink tokens, Xiao et al. 2024),
+    not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k: 0 at
+    padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory. Returns y and each row's share of
+    attention on the softmax part (combine_window_linear)."""
     B, _, T, _ = q.shape
     n_sinks = min(spec.sinks, T)
     keys = key_padding_mask if key_padding_mask is not None else \
@@ -138,15 +149,21 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     return y.to(v.dtype), share
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
-    """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al. 2023, Sec. 4.2."""
+    """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al.
+    2023, Sec. 4.2."""
     B, H, T, D = q.shape
     n, pad = math.ceil(T / block), -T % block  # pad: to a whole number of blocks
-    qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block, t.shape[-1]) for t in (q, k, v))
-    keys = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block,
+                                                     t.shape[-1]) for t in (q, k, v))
+    keys = torch.ones(B, T, dtype=torch.bool,
+                      device=q.device) if key_padding_mask is None else key_padding_mask
     mask = nnf.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
-    mask = mask & torch.ones(block, block, dtype=torch.bool, device=q.device).tril() if causal else mask
-    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself: finite
-    return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
+    mask = mask & torch.ones(block, block, dtype=torch.bool,
+                             device=q.device).tril() if causal else mask
+    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself:
+                                                                       # finite
+    return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(
+        B, H, n * block, -1)[:, :, :T]
 
 # ---- 2. the states' parts, and what every state offers ---------------------------
 @dataclass(frozen=True)
@@ -155,7 +172,8 @@ class LinearState:
     S = sum phi_k exp(c - m) v^T, z = sum phi_k exp(c - m) over the n keys folded in."""
     S: torch.Tensor   # (B, H, F, D)
     z: torch.Tensor   # (B, H, F)
-    m: torch.Tensor   # (B, H): the largest shift c folded in (NO_KEY: none yet; float64 with a decay)
+    m: torch.Tensor   # (B, H): the largest shift c folded in (NO_KEY: none yet; float64 with a
+                      # decay)
     n: int            # tokens folded in (linear and diag: every token so far)
     pos: torch.Tensor | None = None   # (1,) long on the device, linear and diag: tokens seen
 
@@ -167,7 +185,8 @@ class LinearState:
     def fold(self, phi, c, v, n):
         """The state with pairs added: phi (B, H, L, F) shifted features, c (B, H, L) their shifts
         (NO_KEY: not added), v (B, H, L, D); n: how many of them count as folded."""
-        Sz = torch.cat([self.S, self.z[..., None]], -1)                    # [S | z] (B, H, F, D + 1)
+        Sz = torch.cat([self.S, self.z[..., None]], -1)                    # [S | z] (B, H, F, D +
+                                                                           # 1)
         Sz, m = A.fold(Sz, self.m, phi, c, nnf.pad(v, (0, 1), value=1.0))
         return LinearState(Sz[..., :-1], Sz[..., -1], m, self.n + n)
 
@@ -187,13 +206,14 @@ class LinearState:
         return LinearState(S, torch.addcmul(pk[:, :, 0], self.z, r), m, self.n + 1, pos)
 
     def read(self, phi_q):
-        """num (B, H, L, D) = phi_q S and den (B, H, L) = phi_q . z of queries phi_q (B, H, L, F), in its units."""
+        """num (B, H, L, D) = phi_q S and den (B, H, L) = phi_q . z of queries phi_q (B, H, L, F),
+        in its units."""
         return phi_q @ self.S, (phi_q * self.z[:, :, None]).sum(-1)
 
 @dataclass(frozen=True)
 class Slots:
-    """Key-value pairs in fixed slots (dim 2): a window's sinks and ring, LLN+Diag's block. pos (L,):
-    the position each slot holds, -1 where none."""
+    """Key-value pairs in fixed slots (dim 2): a window's sinks and ring, LLN+Diag's block. pos
+    (L,): the position each slot holds, -1 where none."""
     k: torch.Tensor                   # (B, H_kv, L, D)
     v: torch.Tensor                   # (B, H_kv, L, Dv)
     pos: torch.Tensor                 # (L,) long
@@ -229,19 +249,22 @@ def state_nbytes(state):
     return sum(t.numel() * t.element_size() for t in state_tensors(state))
 
 def static_state(state, capacity):
-    """The decode state in buffers of its own with fixed shapes, for a CUDA graph (model.DecodeGraph), which writes
-    into them in place: KV caches static with room for `capacity` tokens, slots and sums copied (the state it was
-    made from stays valid)."""
+    """The decode state in buffers of its own with fixed shapes, for a CUDA graph
+    (model.DecodeGraph), which writes into them in place: KV caches static with room for `capacity`
+    tokens, slots and sums copied (the state it was made from stays valid)."""
     if isinstance(state, KVCache):
         return state.reserve(capacity, static=True)
     if isinstance(state, SplitState):
         return SplitState(static_state(state.exact, capacity), static_state(state.rest, capacity))
     if isinstance(state, LolaState):
-        raise UsageError("LoLA's cache (spec cache=) changes its shapes as it decodes: no CUDA graph")
+        raise UsageError(
+            "LoLA's cache (spec cache=) changes its shapes as it decodes: no CUDA graph")
     if isinstance(state, WindowState) and state.n < state.sinks:
-        raise UsageError(f"a CUDA graph starts after the sinks: a prompt of at least {state.sinks} tokens")
+        raise UsageError(
+            f"a CUDA graph starts after the sinks: a prompt of at least {state.sinks} tokens")
     state = _cloned(state)
-    return replace(state, slots=replace(state.slots, static=True)) if hasattr(state, 'slots') else state
+    return replace(state, slots=replace(state.slots, static=True)) if hasattr(
+        state, 'slots') else state
 
 def _cloned(state):
     """The state with a copy of each tensor."""
@@ -270,21 +293,24 @@ class SplitState:
     rest: object
 
 class Attention(nn.Module):
-    """The attention of one layer, chosen by an AttnSpec (or its string): Attention(spec, ...) builds the family's
-    class (section 4): Softmax (or every head exact), Linear, Window (sliding-window softmax alone without a map),
-    Lola, Diag. This base holds what they share: the feature map (one per query head), its decay, the exact heads
-    (spec exact=: the Softmax family's functions on those KV heads' query heads, with a KV cache of their own:
-    SplitState), float32 inside, the q, k the maps see (nope). A family writes parallel (all tokens from the start)
-    and step (one token after a state); decode (tokens after a state) runs the steps unless it has a faster way.
-    max_len: cosformer's M unless the spec sets it. share: a window forward's share of attention on the softmax part
-    per row (B, H_rest, T), detached.
+    """The attention of one layer, chosen by an AttnSpec (or its string): Attention(spec, ...)
+    builds the family's class (section 4): Softmax (or every head exact), Linear, Window
+    (sliding-window softmax alone without a map), Lola, Diag. This base holds what they share: the
+    feature map (one per query head), its decay, the exact heads (spec exact=: the Softmax family's
+    functions on those KV heads' query heads, with a KV cache of their own: SplitState), float32
+    inside, the q, k the maps see (nope). A family writes parallel (all tokens from the start) and
+    step (one token after a state); decode (tokens after a state) runs the steps unless it has a
+    faster way. max_len: cosformer's M unless the spec sets it. share: a window forward's share of
+    attention on the softmax part per row (B, H_rest, T), detached.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
     mode, fuses = None, False   # the family's name; whether its step may run fused (fused_step)
 
-    def __new__(cls, spec='softmax', head_dim=0, n_heads=1, causal=True, kv_groups=1, *args, **kwargs):
-        if cls is Attention:   # the family, from the spec (and whether it keeps every KV head exact)
+    def __new__(cls, spec='softmax', head_dim=0, n_heads=1, causal=True,
+                kv_groups=1, *args, **kwargs):
+        if cls is Attention:   # the family, from the spec (and whether it keeps every KV head
+                               # exact)
             s = A.AttnSpec.parse(spec)
             n_kv = n_heads // max(kv_groups, 1)
             all_exact = bool(s.exact) and {int(h) for h in s.exact.split('+')} >= set(range(n_kv))
@@ -301,9 +327,12 @@ class Attention(nn.Module):
         n_kv = n_heads // kv_groups
         exact = sorted({int(h) for h in spec.exact.split('+')} if spec.exact else ())   # KV heads
         for bad, why in ((exact and exact[-1] >= n_kv, f"exact names KV heads of 0..{n_kv - 1}"),
-                         (spec.cache and not causal, "the sparse cache follows the tokens (causal models only)"),
-                         (spec.decay and not causal, "a decay weighs the past (causal models only)"),
-                         (spec.nope and rope_inv_freq is None, "nope undoes RoPE, and this model has none")):
+                         (spec.cache and not causal,
+                          "the sparse cache follows the tokens (causal models only)"),
+                         (spec.decay and not causal,
+                          "a decay weighs the past (causal models only)"),
+                         (spec.nope and rope_inv_freq is None,
+                          "nope undoes RoPE, and this model has none")):
             if bad:
                 raise UsageError(f"attention spec '{spec}': {why}")
         self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
@@ -314,17 +343,22 @@ class Attention(nn.Module):
         self.exact_q = heads[exact].flatten().tolist()   # the query heads kept exact
         self.rest_q = heads[[h for h in range(n_kv) if h not in exact]].flatten().tolist()
         order = torch.tensor(self.exact_q + self.rest_q).argsort().tolist()   # -> head order
-        for name, idx in (('exact_idx', self.exact_q), ('rest_idx', self.rest_q), ('order_idx', order)):
+        for name, idx in (('exact_idx', self.exact_q), ('rest_idx', self.rest_q),
+                          ('order_idx', order)):
             self.register_buffer(name, torch.tensor(idx, dtype=torch.long), persistent=False)
         self.fmap = None
         if spec.name != 'softmax' and self.mode != 'softmax':
-            options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
+            options = {
+                'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
             options.update(spec.options)  # the spec's own max_len wins
             self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
-        self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would cast
+        self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would
+                                        # cast
         if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
-            self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),), math.log(math.log(2) / spec.decay)))
-        self.shifted = self.fmap is not None and (self.fmap.log_domain or bool(spec.decay))   # keys' shifts not 0
+            self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),),
+                                                      math.log(math.log(2) / spec.decay)))
+        # keys' shifts not 0
+        self.shifted = self.fmap is not None and (self.fmap.log_domain or bool(spec.decay))
         self.fusable = fusable(self)
 
     window = property(lambda self: self.spec.window)
@@ -351,12 +385,14 @@ class Attention(nn.Module):
         return (y, SplitState(se, sr)) if return_state else y
 
     def _run(self, q, k, v, state, return_state, key_padding_mask):
-        """The family on its heads, in float32 (float64 stays): y in v's dtype, and the new state."""
+        """The family on its heads, in float32 (float64 stays): y in v's dtype, and the new
+        state."""
         if state is not None and q.shape[2] == 1 and fused(self, q):   # one token, one launch
             return fused_step(self, q, k, v, state)
         with torch.autocast(q.device.type, enabled=False):
             q, k, v32 = acc(q), acc(k), acc(v)
-            y, state = self.parallel(q, k, v32, key_padding_mask, return_state) if state is None else \
+            y, state = self.parallel(q, k, v32, key_padding_mask,
+                                     return_state) if state is None else \
                 self.decode(q, k, v32, state)
         return y.to(v.dtype), state
 
@@ -374,22 +410,25 @@ class Attention(nn.Module):
         return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
 
     def map_inputs(self, q, k, start=0, back=0):
-        """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position 0
-        from positions start..start+T-1 (k's: `back` positions earlier); as given otherwise."""
+        """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position
+        0 from positions start..start+T-1 (k's: `back` positions earlier); as given otherwise."""
         if not self.spec.nope:
             return q, k
         if self.inv_freq.device != q.device:   # once per device, before any graph capture
             self.inv_freq = self.inv_freq.to(q.device)
         t = _positions(q, start)
-        angle = (torch.stack([t, t - back])[..., None] * self.inv_freq).repeat(1, 1, 2)[:, None, None]   # (2,1,1,T,D)
+        # (2,1,1,T,D)
+        angle = (torch.stack([t, t - back])[..., None] * self.inv_freq).repeat(1,
+                                                                               1, 2)[:, None, None]
         return A.apply_rope(torch.stack([q, k]), angle.cos(), -angle.sin()).unbind(0)
 
     def _features(self, q, k, offset, key_padding_mask=None, pos=None, back=0):
-        """fmap.features of q and k at positions from pos (a device tensor, in steps) or offset, k's `back` positions
-        earlier (a window step's leaving key), padding keys removed (phi_k 0, c_k NO_KEY), spec decay as shifts:
-        lambda^(t-s) = exp(g s) / exp(g t), key s by +g s, query t by -g t (in linear attention alone the query's
-        cancels; a window hybrid weighs its two parts by it), in float64, where g t and its differences keep their
-        precision at any position. None x 4 without a linear part."""
+        """fmap.features of q and k at positions from pos (a device tensor, in steps) or offset, k's
+        `back` positions earlier (a window step's leaving key), padding keys removed (phi_k 0, c_k
+        NO_KEY), spec decay as shifts: lambda^(t-s) = exp(g s) / exp(g t), key s by +g s, query t by
+        -g t (in linear attention alone the query's cancels; a window hybrid weighs its two parts by
+        it), in float64, where g t and its differences keep their precision at any position. None x
+        4 without a linear part."""
         if self.fmap is None:
             return None, None, None, None
         start = offset if pos is None else pos   # the first token's position
@@ -401,7 +440,8 @@ class Attention(nn.Module):
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         if self.spec.decay:
-            g, t = torch.exp(self.decay_rate).double()[:, None], _positions(q, start)   # (H, 1), (T,)
+            # (H, 1), (T,)
+            g, t = torch.exp(self.decay_rate).double()[:, None], _positions(q, start)
             c_q, c_k = c_q - g * t, c_k + g * (t - back)
         return phi_q, phi_k, c_q, c_k
 
@@ -416,7 +456,8 @@ class Attention(nn.Module):
             self.fmap.calibrate(*(x.transpose(1, 2)[real].transpose(0, 1)[None] for x in (q, k)))
 
 def _positions(q, start):
-    """The positions of q's tokens, (T,) long on q's device: from start (an int, or a (1,) tensor)."""
+    """The positions of q's tokens, (T,) long on q's device: from start (an int, or a (1,)
+    tensor)."""
     return torch.arange(q.shape[2], device=q.device) + start
 
 def _real(q, key_padding_mask):
@@ -428,10 +469,11 @@ def _real(q, key_padding_mask):
 # ---- 4. the families ------------------------------------------------------------
 @dataclass(frozen=True)
 class KVCache:
-    """Softmax's decode state: the keys and values of the H_kv heads in buffers of some capacity, the first n filled.
-    Eager: an append writes past n, where no older state reads (copying first where another state wrote past n), the
-    capacity doubles when full, and a step reads the first n. static (CUDA graphs): a fixed capacity, and a step
-    reads it all with a mask of the filled slots."""
+    """Softmax's decode state: the keys and values of the H_kv heads in buffers of some capacity,
+    the first n filled. Eager: an append writes past n, where no older state reads (copying first
+    where another state wrote past n), the capacity doubles when full, and a step reads the first n.
+    static (CUDA graphs): a fixed capacity, and a step reads it all with a mask of the filled
+    slots."""
     k: torch.Tensor     # (B, H_kv, capacity, D)
     v: torch.Tensor     # (B, H_kv, capacity, Dv)
     pos: torch.Tensor   # (1,) long, on the device: tokens held (n)
@@ -504,12 +546,14 @@ class Softmax(Attention):
 
     def _run(self, q, k, v, state, return_state, key_padding_mask):
         if state is None:
-            return softmax_prefill(q, k, v, self.kv_groups, self.causal, key_padding_mask, return_state)
+            return softmax_prefill(q, k, v, self.kv_groups, self.causal,
+                                   key_padding_mask, return_state)
         return softmax_decode(q, k, v, self.kv_groups, state)
 
 class Linear(Attention):
-    """Linear attention (Katharopoulos et al. 2020) with the spec's map, its state (S, z, m) a LinearState: one path
-    (spec impl) from the start and after a state; a step is one outer product into the state and one read."""
+    """Linear attention (Katharopoulos et al. 2020) with the spec's map, its state (S, z, m) a
+    LinearState: one path (spec impl) from the start and after a state; a step is one outer product
+    into the state and one read."""
     mode, fuses = 'linear', True
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
@@ -535,25 +579,31 @@ class Linear(Attention):
         return divide(*linear.read(phi_q)), linear
 
 def fusable(core):
-    """Whether core's step can run fused: the Linear and Window families with Hedgehog's map or LoLCATs'
-    (its skip the whole width), softmax or exp features, tiles kernels.decode_warps serves."""
+    """Whether core's step can run fused: the Linear and Window families with Hedgehog's map or
+    LoLCATs' (its skip the whole width), softmax or exp features, tiles kernels.decode_warps
+    serves."""
     fm, spec = core.fmap, core.spec
-    ok = core.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') and \
-        (fm.weight.shape[1] == core.head_dim or type(fm) is A.HedgehogFeatureMap) and core.window != 1 and \
+    ok = core.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in (
+        'softmax', 'exp') and \
+        (fm.weight.shape[1] == core.head_dim
+         or type(fm) is A.HedgehogFeatureMap) and core.window != 1 and \
         kernels.decode_warps(fm.feature_dim, core.head_dim, spec.sinks + spec.window) > 0
     if spec.impl == 'triton' and core.mode == 'window' and not ok:
-        raise UsageError(f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog or "
+        raise UsageError(
+            f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog "
+            "or "
                          "lolcats map with softmax or exp features, a window of 2 or more")
     return ok
 
 def fused(core, x):
-    """Whether core's one-token step on x runs fused_step: under torch.no_grad() (the kernel has no backward), for
-    a fusable map, with spec impl=triton (wherever triton runs, the interpreter included) or impl=chunked on CUDA;
-    the other maps and families keep their PyTorch step."""
+    """Whether core's one-token step on x runs fused_step: under torch.no_grad() (the kernel has no
+    backward), for a fusable map, with spec impl=triton (wherever triton runs, the interpreter
+    included) or impl=chunked on CUDA; the other maps and families keep their PyTorch step."""
     if torch.is_grad_enabled() or not core.fusable or core.spec.impl not in ('chunked', 'triton'):
         return False
     if core.spec.impl == 'triton' and not kernels.triton_available(x):
-        raise UsageError(f"attention spec '{core.spec}': impl=triton needs triton and CUDA tensors (or "
+        raise UsageError(
+            f"attention spec '{core.spec}': impl=triton needs triton and CUDA tensors (or "
                          f"TRITON_INTERPRET=1), got {x.device.type}: use impl=chunked")
     return core.spec.impl == 'triton' or (x.is_cuda and kernels.triton_available(x))
 
@@ -565,21 +615,24 @@ def fused_step(core, q, k, v, st):
     if core.spec.nope and core.inv_freq.device != q.device:
         core.inv_freq = core.inv_freq.to(q.device)
     y, (S, z, m), ring = kernels.decode_step(
-        q, k, v, st.pos, fm.weight, fm.bias, (lin.S, lin.z, lin.m), slots and (slots.k, slots.v, slots.pos),
-        core.kv_groups, core.window, core.spec.sinks, skip=type(fm) is A.LolcatsFeatureMap, log=fm.log_domain,
+        q, k, v, st.pos, fm.weight, fm.bias, (lin.S, lin.z, lin.m), slots and (slots.k,
+                                                                               slots.v, slots.pos),
+        core.kv_groups, core.window, core.spec.sinks,
+        skip=type(fm) is A.LolcatsFeatureMap, log=fm.log_domain,
         mix=core.spec.combine == 'mix', theta=getattr(core, 'window_factor', None),
         rate=getattr(core, 'decay_rate', None), inv_freq=core.inv_freq if core.spec.nope else None,
         in_place=bool(slots and slots.static))
     if not window:
         return y, LinearState(S, z, m, st.n + 1, st.pos + 1)
-    return y, WindowState(Slots(*ring, slots.static), LinearState(S, z, m, lin.n + 1), st.pos + 1, st.n + 1, st.sinks)
+    return y, WindowState(Slots(*ring, slots.static), LinearState(S, z, m, lin.n + 1),
+                          st.pos + 1, st.n + 1, st.sinks)
 
 @dataclass(frozen=True)
 class WindowState:
-    """The sliding-window hybrid's decode state after n tokens: `sinks` slots for the first tokens, then a ring of
-    `window` slots, token p >= sinks at sinks + p % window; the linear part (None: sliding-window softmax alone)
-    holds tokens sinks .. n - window, outside the next query's window: the sinks, tokens n - window + 1 .. n - 1 and
-    itself."""
+    """The sliding-window hybrid's decode state after n tokens: `sinks` slots for the first tokens,
+    then a ring of `window` slots, token p >= sinks at sinks + p % window; the linear part (None:
+    sliding-window softmax alone) holds tokens sinks .. n - window, outside the next query's window:
+    the sinks, tokens n - window + 1 .. n - 1 and itself."""
     slots: Slots
     linear: LinearState | None
     pos: torch.Tensor   # (1,) long on the device: tokens seen (n)
@@ -594,17 +647,20 @@ class Window(Attention):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.fmap is not None:   # gamma = sigmoid(theta) = 0.1 (LoLCATs' code: -2.197); mix: 1/2 till calibrate()
+        if self.fmap is not None:   # gamma = sigmoid(theta) = 0.1 (LoLCATs' code: -2.197); mix: 1/2
+                                    # till calibrate()
             theta = math.log(0.1 / 0.9) if self.spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((len(self.rest_q),), theta))
 
     def factor(self):
-        """The window factor through its sigmoid, per head: gamma (joint) or s (mix), on the window part."""
+        """The window factor through its sigmoid, per head: gamma (joint) or s (mix), on the window
+        part."""
         return torch.sigmoid(self.window_factor) if self.fmap is not None else None
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         phi_q, phi_k, c_q, c_k = self._features(q, k, 0, key_padding_mask)
-        y, share = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, self.spec, self.factor(),
+        y, share = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k,
+                                           self.spec, self.factor(),
                                            self.causal, key_padding_mask, self.chunk_size)
         self.share = share.detach()
         return y, self._state(k, v, phi_k, c_k) if return_state and self.causal else None
@@ -614,7 +670,8 @@ class Window(Attention):
         (B, H, T, D), g, W, N = k.shape, self.kv_groups, self.window, self.spec.sinks
         k1, v1 = k[:, ::g], v[:, ::g]                                       # (B, H_kv, T, D)
         first = min(max(T - W + 1, N), T)                                   # the ring's first token
-        kept = torch.cat([torch.arange(min(N, T), device=k.device), torch.arange(first, T, device=k.device)])
+        kept = torch.cat([torch.arange(min(N, T), device=k.device),
+                          torch.arange(first, T, device=k.device)])
         slot = torch.where(kept < N, kept, N + kept % W)                    # the sinks, the ring
         slots = Slots.empty(k1, v1, N + W).write(slot, kept, k1[:, :, kept], v1[:, :, kept])
         linear = None
@@ -624,23 +681,29 @@ class Window(Attention):
         return WindowState(slots, linear, _position(k, T), T, N)
 
     def step(self, q, k, v, st):
-        """One token after st: written into its slot (a sink's own, or its ring slot, whose token has left the
-        window), the query attends to the slots (softmax) and to the folded pairs (linear); then the token leaving
-        the window for the next query is folded, its features made again (in this order a step reads no slot it
-        writes: a CUDA graph's warm-up may run it on its state)."""
+        """One token after st: written into its slot (a sink's own, or its ring slot, whose token
+        has left the window), the query attends to the slots (softmax) and to the folded pairs
+        (linear); then the token leaving the window for the next query is folded, its features made
+        again (in this order a step reads no slot it writes: a CUDA graph's warm-up may run it on
+        its state)."""
         W, N, g = self.window, st.sinks, self.kv_groups
         slot = st.pos if st.n < N else st.pos % W + N                       # (1,)
         slots = st.slots.write(slot, st.pos, k[:, ::g], v[:, ::g])
-        num, den, m = self._slots_softmax(q, slots)                         # (B, H, 1, D), (B, H, 1)
+        num, den, m = self._slots_softmax(q, slots)                         # (B, H, 1, D), (B, H,
+                                                                            # 1)
         if st.linear is None:   # sliding-window softmax alone
             return num / den[..., None], replace(st, slots=slots, pos=st.pos + 1, n=st.n + 1)
-        leaving = (st.pos + 1) % W + N   # the slot of the token leaving the window for the next query
-        k_out, v_out = (x.index_select(2, leaving).repeat_interleave(g, 1) for x in (slots.k, slots.v))
-        phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=W - 1)   # (its features again)
+        leaving = (st.pos + 1) % W + N   # the slot of the token leaving the window for the next
+                                         # query
+        k_out, v_out = (x.index_select(2, leaving).repeat_interleave(g, 1)
+                        for x in (slots.k, slots.v))
+        # (its features again)
+        phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=W - 1)
         num_l, den_l = st.linear.read(phi_q)
         y, _ = combine_window_linear(num, den, m, num_l, den_l, c_q + st.linear.m[..., None],
                                      self.factor(), self.spec.combine)
-        if st.n + 1 - W < N:   # that token comes before the sinks' end: its slot is empty and weighs 0
+        if st.n + 1 - W < N:   # that token comes before the sinks' end: its slot is empty and
+                               # weighs 0
             real = slots.pos.index_select(0, leaving) >= 0                  # (1,) bool
             phi_k, c_k = phi_k * real, c_k.masked_fill(~real, NO_KEY)
         linear = st.linear.add(phi_k, v_out, c_k if self.shifted else None)
@@ -666,12 +729,15 @@ class Window(Attention):
         q, k = q[:, self.rest_q], k[:, self.rest_q]
         T, real = q.shape[2], _real(q, key_padding_mask)
         j = torch.arange(T, device=q.device)
-        seen = A.causal_mask(T, T, q.device) if self.causal else torch.ones(T, T, dtype=torch.bool, device=q.device)
-        soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen  # (T, T)
+        seen = A.causal_mask(T, T, q.device) if self.causal else torch.ones(
+            T, T, dtype=torch.bool, device=q.device)
+        # (T, T)
+        soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen
         total, n = 0.0, 0
         for b in range(q.shape[0]):
             visible = seen & real[b]                     # the real keys of each row
-            rows = real[b] & (visible & ~soft).any(-1)   # real rows that also see keys of the linear part
+            rows = real[b] & (visible & ~soft).any(-1)   # real rows that also see keys of the
+                                                         # linear part
             w = A.softmax_weights(q[b:b + 1], k[b:b + 1], attn_mask=visible)[0]   # (H, T, T)
             total = total + (w * soft).sum(-1)[:, rows].double().sum(-1)         # (H,)
             n += int(rows.sum())
@@ -686,8 +752,9 @@ class DiagState:
     slots: Slots
 
 class Diag(Linear):
-    """LLN+Diag (Nahshan et al. 2023, Sec. 4.2): the average of linear attention over every token and softmax within
-    blocks of diag_block tokens; a step is Linear's beside softmax over its block so far."""
+    """LLN+Diag (Nahshan et al. 2023, Sec. 4.2): the average of linear attention over every token
+    and softmax within blocks of diag_block tokens; a step is Linear's beside softmax over its block
+    so far."""
     mode, fuses = 'diag', False
     decode = Attention.decode   # tokens after a state: one step each
 
@@ -751,31 +818,35 @@ class LolaState:
     linear: LinearState
 
 def lola_select(state, cand, n_keep, kv_groups):
-    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate Pairs (the cache and the pending block)
-    scored by their self-recall error against the linear state, SRE(k, v) = ||S^T phi(k) / z^T phi(k) - v||^2
-    (phi(k): the key's features; 0 recalled where z^T phi(k) = 0), per KV head the mean over its query heads. The
-    n_keep worst recalled stay in the cache; the rest are folded into the state. (The paper's SRE; its public code
-    scores differently.) -> (kept: sorted indices (B, H_kv, n_keep), the new LinearState)."""
-    rep = lambda x: x.repeat_interleave(kv_groups, 1)  # noqa: E731, GQA: query head h reads kv head h // g
+    """LoLA's sparse-cache update (McDermott et al. 2025, Sec. 3): candidate Pairs (the cache and
+    the pending block) scored by their self-recall error against the linear state, SRE(k, v) = ||S^T
+    phi(k) / z^T phi(k) - v||^2 (phi(k): the key's features; 0 recalled where z^T phi(k) = 0), per
+    KV head the mean over its query heads. The n_keep worst recalled stay in the cache; the rest are
+    folded into the state. (The paper's SRE; its public code scores differently.) -> (kept: sorted
+    indices (B, H_kv, n_keep), the new LinearState)."""
+    rep = lambda x: x.repeat_interleave(kv_groups, 1)  # noqa: E731, GQA: query head h reads kv head
+                                                       # h // g
     sre = (divide(*state.read(cand.phi)) - rep(cand.v)).square().sum(-1)          # (B, H, L)
     sre = sre.unflatten(1, (-1, kv_groups)).mean(2)                               # (B, H_kv, L)
     keep = sre.topk(min(n_keep, sre.shape[-1]), -1).indices.sort(-1).values      # (B, H_kv, n_keep)
     fold = rep(torch.ones_like(sre, dtype=torch.bool).scatter(-1, keep, False))  # (B, H, L)
-    return keep, state.fold(cand.phi * fold[..., None], cand.c.masked_fill(~fold, NO_KEY), rep(cand.v),
+    return keep, state.fold(cand.phi * fold[..., None],
+                            cand.c.masked_fill(~fold, NO_KEY), rep(cand.v),
                             len(cand) - keep.shape[-1])
 
 class Lola(Window):
-    """The window hybrid with LoLA's sparse cache (McDermott et al. 2025, spec cache=): pairs leave the window into
-    a pending block; every cache_block of them, the block and the cache compete (lola_select). Prefill and decoding
-    run one schedule, in segments within which the linear part is fixed: each ends where a block leaves the softmax
-    part."""
+    """The window hybrid with LoLA's sparse cache (McDermott et al. 2025, spec cache=): pairs leave
+    the window into a pending block; every cache_block of them, the block and the cache compete
+    (lola_select). Prefill and decoding run one schedule, in segments within which the linear part
+    is fixed: each ends where a block leaves the softmax part."""
     mode, fuses = 'window', False
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         (B, H, _, D), Dv, g, F = q.shape, v.shape[-1], self.kv_groups, self.fmap.feature_dim
         none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
         with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
-        return self.decode(q, k, v, LolaState(0, none, with_phi, with_phi, LinearState.empty(B, H, F, Dv, q)))
+        return self.decode(q, k, v, LolaState(0, none, with_phi, with_phi,
+                                              LinearState.empty(B, H, F, Dv, q)))
 
     def decode(self, q, k, v, state):
         C, T = self.spec.cache_block, q.shape[2]
@@ -802,7 +873,8 @@ class Lola(Window):
         num_w, den_w, m_w = _window_softmax(q, keys, vals, visible)
         phi_q, phi_k, c_q, c_k = self._features(q, k, o)
         num_l, den_l = st.linear.read(phi_q)
-        y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l, c_q + st.linear.m[..., None],
+        y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l,
+                                         c_q + st.linear.m[..., None],
                                          self.factor(), self.spec.combine)
         return y, share, phi_k, c_k
 

@@ -1,25 +1,29 @@
 """
-Causal linear attention in Triton: the naive reference, five kernels in five launches, the autograd wrapper; the
-fused decode step (one token of a layer in one launch, decode_step; its reference: hybrids' Linear.step and
-Window.step); a CUDA benchmark (where the time goes on an H100: docs/RESULTS.md 16.6).
+Causal linear attention in Triton: the naive reference, five kernels in five launches, the autograd
+wrapper; the fused decode step (one token of a layer in one launch, decode_step; its reference:
+hybrids' Linear.step and Window.step); a CUDA benchmark (where the time goes on an H100:
+docs/RESULTS.md 16.6).
 
-What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values v (B, H, T, D):
+What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values v (B,
+H, T, D):
 
     y_t = phi_q_t^T S_t / (phi_q_t^T z_t + eps),   S_t = S_0 + sum_{s<=t} phi_k_s v_s^T   (F, D)
                                                    z_t = z_0 + sum_{s<=t} phi_k_s         (F,)
 
-(0 where the denominator is 0) from an optional initial state (S_0, z_0), optionally returning the final state
-(prefill, then decode). Key shifts c (B, H, T), optional: the keys are phi_k_s exp(c_s), and row t is computed in
-units of exp(-m_t), m_t = max(m_0, c_1..c_t) (a running max, as online softmax), so every factor exp(c_s - m_t) is
-<= 1 whatever the keys' scale; the state (S, z, m) is then in units of exp(-m). `causal_linear_attention_reference`
-computes it from the definition, quadratic in T.
+(0 where the denominator is 0) from an optional initial state (S_0, z_0), optionally returning the
+final state (prefill, then decode). Key shifts c (B, H, T), optional: the keys are phi_k_s exp(c_s),
+and row t is computed in units of exp(-m_t), m_t = max(m_0, c_1..c_t) (a running max, as online
+softmax), so every factor exp(c_s - m_t) is <= 1 whatever the keys' scale; the state (S, z, m) is
+then in units of exp(-m). `causal_linear_attention_reference` computes it from the definition,
+quadratic in T.
 
-Design: flash-linear-attention's two-pass chunk form. Time is cut into chunks of BLOCK_T = 64 rows, NT = T / 64 of
-them; M_j is the running max at chunk j's last row (M_-1 = m_0), known beforehand (a cummax in PyTorch, where each
-chunk's shifts and maxes are rebased to its own M_j: float64 shifts as large as a decay's keep their precision). A
-sequential pass writes the state every chunk starts from; the attention inside the chunks and the outputs then run in
-parallel over (chunk, batch x head, block). Per chunk j (rows t, keys s of the chunk; S_j, z_j: the state before it,
-in units exp(-M_j-1); r_t = exp(M_j-1 - m_t)):
+Design: flash-linear-attention's two-pass chunk form. Time is cut into chunks of BLOCK_T = 64 rows,
+NT = T / 64 of them; M_j is the running max at chunk j's last row (M_-1 = m_0), known beforehand (a
+cummax in PyTorch, where each chunk's shifts and maxes are rebased to its own M_j: float64 shifts as
+large as a decay's keep their precision). A sequential pass writes the state every chunk starts
+from; the attention inside the chunks and the outputs then run in parallel over (chunk, batch x
+head, block). Per chunk j (rows t, keys s of the chunk; S_j, z_j: the state before it, in units
+exp(-M_j-1); r_t = exp(M_j-1 - m_t)):
 
     A    = q k^T exp(c_s - m_t), masked to s <= t     (BLOCK_T, BLOCK_T)  fp32 accumulation
     num  = A v + q S_j r                              (BLOCK_T, BLOCK_D)  intra- + inter-chunk
@@ -27,8 +31,9 @@ in units exp(-M_j-1); r_t = exp(M_j-1 - m_t)):
     y    = num / den
     S_j+1 = S_j exp(M_j-1 - M_j) + k^T (v exp(c_s - M_j)),   z_j+1 likewise with colsum(k)
 
-The denominator comes from the same A and z, not from a separate pass (where published kernels had silent gradient
-bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128, D=64, bf16):
+The denominator comes from the same A and z, not from a separate pass (where published kernels had
+silent gradient bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128,
+D=64, bf16):
 
     fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores S_j, z_j; holds
                                    its (BF, BD) = (32, 32) block of S in fp32
@@ -42,33 +47,36 @@ bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128,
     bwd dv      _bwd_dv_kernel     (NT, BH, D/BD) (512, 12, 1): dv of one chunk; holds P^T (BT, BT), k dS (BT, BD),
                                    accumulated over feature blocks of 64
 
-Memory. The stored states are (BH, NT, F, D) in the operands' dtype if bf16 (the dots read them in bf16 anyway: the
-same rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands 2 F D / 64 + 4 F / 64 bytes per token and
-head: 264 B at F=128, D=64 (q and k in bf16: 512 B), 104 MB at B=1, H=12, T=32K; 1,040 B at F=256, D=128. The
-forward frees them; the backward holds two sets (states and their gradients). Blocks and warps: BLOCKS.
+Memory. The stored states are (BH, NT, F, D) in the operands' dtype if bf16 (the dots read them in
+bf16 anyway: the same rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands 2 F D / 64 +
+4 F / 64 bytes per token and head: 264 B at F=128, D=64 (q and k in bf16: 512 B), 104 MB at B=1,
+H=12, T=32K; 1,040 B at F=256, D=128. The forward frees them; the backward holds two sets (states
+and their gradients). Blocks and warps: BLOCKS.
 
-Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and delta_t = dy_t . y_t:
+Backward. With P_ts = q_t . k_s (s <= t), rden_t = 1 / (den_t + eps) (saved) and delta_t = dy_t .
+y_t:
     g_t = dL/dnum_t = dy_t rden_t,   r_t = dL/dden_t = -delta_t rden_t
     G_ts = dL/dP_ts = g_t . v_s + r_t
     dq_t = sum_{s<=t} G_ts k_s + S_0 g_t + r_t z_0        dS_0 = dS_T + sum_t q_t g_t^T
     dk_s = sum_{t>=s} G_ts q_t + dS_T v_s + dz_T          dz_0 = dz_T + sum_t r_t q_t
     dv_s = sum_{t>=s} P_ts g_t + dS_T^T k_s,              dc_s = dk_s . phi_k_s (the key scales with exp(c_s))
-(dS_T, dz_T: the gradients arriving through the returned state; with shifts, P_ts and the state terms carry the
-forward's factors.) Chunked, the sums over earlier chunks (dq) are q's state S_j, z_j; those over later chunks (dk,
-dv) the state gradient after chunk j (units exp(-M_j)),
+(dS_T, dz_T: the gradients arriving through the returned state; with shifts, P_ts and the state
+terms carry the forward's factors.) Chunked, the sums over earlier chunks (dq) are q's state S_j,
+z_j; those over later chunks (dk, dv) the state gradient after chunk j (units exp(-M_j)),
     dS_j = dS_j+1 exp(M_j - M_j+1) + sum_{t in j+1} q_t g_t^T exp(M_j - m_t),
-dz_j likewise with r_t. Operands needed transposed are loaded transposed by swapping the pointer arithmetic; a tl.dot
-result is never transposed (a Triton miscompile on Hopper): the transposed product is computed directly (k q^T rather
-than (q k^T)^T), or stored through transposed pointers.
+dz_j likewise with r_t. Operands needed transposed are loaded transposed by swapping the pointer
+arithmetic; a tl.dot result is never transposed (a Triton miscompile on Hopper): the transposed
+product is computed directly (k q^T rather than (q k^T)^T), or stored through transposed pointers.
 
-Precision. Accumulation and state are fp32 (the stored states: see above). Operands are bf16 if an input is bf16
-(tensor cores; bf16 has fp32's range), else the promoted dtype: fp32 features with fp16 values stay fp32, since
-exp-based features overflow fp16 (65504 = e^11). fp32 multiplies in 'tf32' if torch.backends.cuda.matmul.allow_tf32
-(or allow_tf32=True), else 'ieee'; fp16 always in 'tf32' (exact for it). Gradients are written in each input's dtype.
+Precision. Accumulation and state are fp32 (the stored states: see above). Operands are bf16 if an
+input is bf16 (tensor cores; bf16 has fp32's range), else the promoted dtype: fp32 features with
+fp16 values stay fp32, since exp-based features overflow fp16 (65504 = e^11). fp32 multiplies in
+'tf32' if torch.backends.cuda.matmul.allow_tf32 (or allow_tf32=True), else 'ieee'; fp16 always in
+'tf32' (exact for it). Gradients are written in each input's dtype.
 
-CPU. With TRITON_INTERPRET=1 set before import, the kernels run in Triton's interpreter on CPU tensors (the tests;
-bf16 operands are upcast there: the interpreter's bf16 tl.dot is wrong), with blocks of their own (fewer programs;
-tests/test_kernels.py also runs the GPU blocks there).
+CPU. With TRITON_INTERPRET=1 set before import, the kernels run in Triton's interpreter on CPU
+tensors (the tests; bf16 operands are upcast there: the interpreter's bf16 tl.dot is wrong), with
+blocks of their own (fewer programs; tests/test_kernels.py also runs the GPU blocks there).
 """
 
 import contextlib
@@ -84,20 +92,24 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-# @triton.jit builds interpreter kernels only if the variable is set before the decorator runs (before import)
+# @triton.jit builds interpreter kernels only if the variable is set before the decorator runs
+# (before import)
 INTERPRET = HAS_TRITON and os.environ.get('TRITON_INTERPRET', '0') == '1'
 NO_KEY = -1e30      # as attention.NO_KEY: the running max before any key
 DEFAULT_CHUNK = 64   # BLOCK_T: the chunk of rows each program of the parallel launches owns
 MAX_FEATURE_DIM, MAX_HEAD_DIM = 256, 128  # the sizes tests/test_kernels_compile.py checks
 
-def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=None, return_state=False, c_k=None):
-    """The definition, quadratic in T: A_ts = phi_q_t . phi_k_s exp(c_s - m_t) (s <= t), y = (A v + q S_0 exp(m_0 -
-    m_t)) / (rowsum(A) + q . z_0 exp(m_0 - m_t) + eps); the key shifts c_k (B, H, T) (None: 0) and m_t as above.
-    initial_state (S_0, z_0[, m_0]) (B, H, F, D), (B, H, F) [, (B, H)] in units exp(-m_0); m_0 = 0 when it has no m_0,
-    and without an initial state S_0 = z_0 = 0 and m_0 = NO_KEY (no key yet: m_t is the largest c_s, s <= t). Where the
-    denominator is 0 or less, y is the numerator undivided: 0 for a query whose features are all 0. Computes in at least
-    fp32 (float64 stays float64); y in v.dtype; return_state: also the final state (S, z, m = m_T), S_0, z_0 and all T
-    keys summed in units exp(-m), in the compute dtype; (S, z) alone without c_k and without an m_0."""
+def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=None,
+                                      return_state=False, c_k=None):
+    """The definition, quadratic in T: A_ts = phi_q_t . phi_k_s exp(c_s - m_t) (s <= t), y = (A v +
+    q S_0 exp(m_0 - m_t)) / (rowsum(A) + q . z_0 exp(m_0 - m_t) + eps); the key shifts c_k (B, H, T)
+    (None: 0) and m_t as above. initial_state (S_0, z_0[, m_0]) (B, H, F, D), (B, H, F) [, (B, H)]
+    in units exp(-m_0); m_0 = 0 when it has no m_0, and without an initial state S_0 = z_0 = 0 and
+    m_0 = NO_KEY (no key yet: m_t is the largest c_s, s <= t). Where the denominator is 0 or less, y
+    is the numerator undivided: 0 for a query whose features are all 0. Computes in at least fp32
+    (float64 stays float64); y in v.dtype; return_state: also the final state (S, z, m = m_T), S_0,
+    z_0 and all T keys summed in units exp(-m), in the compute dtype; (S, z) alone without c_k and
+    without an m_0."""
     dt = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     q, k, v_ = phi_q.to(dt), phi_k.to(dt), v.to(dt)
     (B, H, T, F), D = q.shape, v.shape[-1]
@@ -108,7 +120,8 @@ def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=No
         S0, z0 = initial_state[0].to(dt), initial_state[1].to(dt)
         m0 = initial_state[2].to(dt) if len(initial_state) > 2 else q.new_zeros(B, H)
     m = torch.maximum(c.cummax(-1).values, m0[..., None])                 # (B, H, T) running max
-    key_factor = torch.exp((c[..., None, :] - m[..., None]).clamp(max=0))  # (B, H, T, T) e^(c_s - m_t)
+    key_factor = torch.exp((c[..., None, :] - m[..., None]).clamp(max=0))  # (B, H, T, T) e^(c_s -
+                                                                           # m_t)
     A = (q @ k.transpose(-2, -1) * key_factor).tril()                     # (B, H, T, T)
     r = torch.exp(m0[..., None] - m)                                      # (B, H, T) state -> row t
     num = A @ v_ + q @ S0 * r[..., None]                                   # (B, H, T, D)
@@ -127,7 +140,8 @@ def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=No
 if HAS_TRITON:
     @triton.jit
     def _dot(a, b, BF16: tl.constexpr, PRECISION: tl.constexpr):
-        """a @ b with fp32 accumulation; operands in bf16 (tensor cores) or fp32 ('ieee' or 'tf32')."""
+        """a @ b with fp32 accumulation; operands in bf16 (tensor cores) or fp32 ('ieee' or
+        'tf32')."""
         if BF16:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         else:
@@ -148,7 +162,8 @@ if HAS_TRITON:
         return tl.load(MB + j), m_after
 
     @triton.jit
-    def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
         """One program's block of a state: S_IN[offs_f, offs_d] (BF, BD) and Z_IN[offs_f] (BF,),
         fp32; zeros where S_IN is None."""
         S = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)
@@ -160,7 +175,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_state(S_OUT, Z_OUT, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d):
-        """Store one program's block of a state (S_OUT (F, D) in its own dtype); z from the first value block only."""
+        """Store one program's block of a state (S_OUT (F, D) in its own dtype); z from the first
+        value block only."""
         S_OUT = S_OUT + offs_f[:, None] * D + offs_d[None, :]
         tl.store(S_OUT, S.to(S_OUT.dtype.element_ty), mask=mask_f[:, None] & mask_d[None, :])
         if i_d == 0:
@@ -177,8 +193,9 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """The forward's sequential pass, chunks j = 0 .. NT-1, one program per (bh, feature block, value block), its
-        block of the state in fp32 registers. STATES[j] = the state before chunk j, in units exp(-M_{j-1}); then
+        """The forward's sequential pass, chunks j = 0 .. NT-1, one program per (bh, feature block,
+        value block), its block of the state in fp32 registers. STATES[j] = the state before chunk
+        j, in units exp(-M_{j-1}); then
             S <- S e^(M_{j-1} - M_j) + sum_s k_s (v_s e^(c_s - M_j))^T,   z likewise with k_s alone."""
         i_bh, i_f, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         offs_t = tl.arange(0, BLOCK_T)
@@ -194,26 +211,33 @@ if HAS_TRITON:
         S, z = _load_state(S_INIT, Z_INIT, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
 
         for j in range(0, NT):
-            _store_state(STATES + j * F * D, ZS + j * F, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d)
+            _store_state(STATES + j * F * D, ZS + j * F, S, z, offs_f, offs_d, D,
+                         mask_f, mask_d, i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
             m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
             kT = _tile(K, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
             v = _tile(V, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
-            w = tl.exp(tl.load(C + rows, mask=mask_t, other=-1e30) - m_after)   # (BT,) key s's factor
-            decay = tl.exp(m_before - m_after)                                   # the state's new units
+            w = tl.exp(tl.load(C + rows, mask=mask_t, other=-1e30) - m_after)   # (BT,) key s's
+                                                                                # factor
+            # the state's new units
+            decay = tl.exp(m_before - m_after)
             S = S * decay + _dot(kT, v * w[:, None], BF16, PRECISION)           # (BF, BD)
             z = z * decay + tl.sum(kT.to(tl.float32) * w[None, :], axis=1)      # (BF,)
         if S_END is not None:
-            _store_state(S_END + i_bh * F * D, Z_END + i_bh * F, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d)
+            _store_state(S_END + i_bh * F * D, Z_END + i_bh * F, S, z, offs_f, offs_d, D,
+                         mask_f, mask_d, i_d)
 
     @triton.jit
     def _bwd_state_kernel(
         Q, DY,                # (B*H, T, F), (B*H, T, D)
         M, MB, RDEN, DELTA,   # (B*H, T) the rows' running max; (B*H, NT) M_{j-1}; 1/den, dy.y
-        DSTATES, DZS,         # out (B*H, NT, F, D), (B*H, NT, F): the state gradient after each chunk
-        DS_END, DZ_END,       # (B*H, F, D), (B*H, F) fp32: the gradient reaching the final state, or None
-        DS_INIT, DZ_INIT,     # (B*H, F, D), (B*H, F) fp32 out: the initial state's gradient, or None
+        DSTATES, DZS,         # out (B*H, NT, F, D), (B*H, NT, F): the state gradient after each
+                              # chunk
+        DS_END, DZ_END,       # (B*H, F, D), (B*H, F) fp32: the gradient reaching the final state,
+                              # or None
+        DS_INIT, DZ_INIT,     # (B*H, F, D), (B*H, F) fp32 out: the initial state's gradient, or
+                              # None
         T, F, D,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
@@ -237,20 +261,23 @@ if HAS_TRITON:
 
         for i in range(0, NT):
             j = NT - 1 - i
-            _store_state(DSTATES + j * F * D, DZS + j * F, dS, dz, offs_f, offs_d, D, mask_f, mask_d, i_d)
+            _store_state(DSTATES + j * F * D, DZS + j * F, dS, dz, offs_f, offs_d, D,
+                         mask_f, mask_d, i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
             m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
             qT = _tile(Q, offs_f, rows, 1, F, mask_f, mask_t)                      # (BF, BT)
             dy = _tile(DY, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
-            w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))     # (BT,) row t's factor
+            # (BT,) row t's factor
+            w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))
             g_w = w * tl.load(RDEN + rows, mask=mask_t, other=0.)                 # (BT,)
             r_w = -g_w * tl.load(DELTA + rows, mask=mask_t, other=0.)             # (BT,)
             decay = tl.exp(m_before - m_after)
             dS = dS * decay + _dot(qT, dy * g_w[:, None], BF16, PRECISION)         # (BF, BD)
             dz = dz * decay + tl.sum(qT.to(tl.float32) * r_w[None, :], axis=1)    # (BF,)
         if DS_INIT is not None:
-            _store_state(DS_INIT + i_bh * F * D, DZ_INIT + i_bh * F, dS, dz, offs_f, offs_d, D, mask_f, mask_d, i_d)
+            _store_state(DS_INIT + i_bh * F * D, DZ_INIT + i_bh * F, dS, dz, offs_f, offs_d, D,
+                         mask_f, mask_d, i_d)
 
     @triton.jit
     def _chunk(T, M, MB, i_bh, BLOCK_T: tl.constexpr):
@@ -270,8 +297,9 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """y of one chunk and value block: A = q k^T e^(c_s - m_t) (s <= t), y = (A v + q S r) / (rowsum(A) + q.z r +
-        eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A and q S accumulated over feature blocks."""
+        """y of one chunk and value block: A = q k^T e^(c_s - m_t) (s <= t), y = (A v + q S r) /
+        (rowsum(A) + q.z r + eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A
+        and q S accumulated over feature blocks."""
         i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
         rows, mask_t, m_before, _, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -302,7 +330,8 @@ if HAS_TRITON:
         den = tl.sum(A, axis=1) + qz * r + eps                         # (BT,) fp32
         rden = (den > 0).to(tl.float32) / tl.where(den > 0, den, 1.)   # 0 / 0 -> 0
         y = (num * rden[:, None]).to(Y.dtype.element_ty)
-        tl.store(Y + i_bh * T * D + rows[:, None] * D + offs_d[None, :], y, mask=mask_t[:, None] & mask_d[None, :])
+        tl.store(Y + i_bh * T * D + rows[:, None] * D + offs_d[None, :], y,
+                 mask=mask_t[:, None] & mask_d[None, :])
         if i_d == 0:
             tl.store(RDEN + i_bh * T + rows, rden, mask=mask_t)
 
@@ -317,9 +346,11 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """dq and dk of one chunk and feature block, G_ts = (g_t . v_s + r_t) e^(c_s - m_t) (s <= t):
+        """dq and dk of one chunk and feature block, G_ts = (g_t . v_s + r_t) e^(c_s - m_t) (s <=
+        t):
             dq = G k + (g S^T + r z) e^(M_{j-1} - m_t),   dk^T = q^T G + (dS v^T + dz) e^(c_s - M_j);
-        program = (chunk, bh, feature block), G and the state terms accumulated over value blocks."""
+        program = (chunk, bh, feature block), G and the state terms accumulated over value
+        blocks."""
         i_bh, i_f = tl.program_id(1).to(tl.int64), tl.program_id(2)
         rows, mask_t, m_before, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -353,13 +384,15 @@ if HAS_TRITON:
         k = _tile(K + i_bh * T * F, rows, offs_f, F, 1, mask_t, mask_f)    # (BT, BF)
         dq_state = (dq * rden[:, None] + r[:, None] * z[None, :]) * tl.exp(m_before - m)[:, None]
         dq = _dot(G, k, BF16, PRECISION) + dq_state
-        tl.store(DQ + i_bh * T * F + rows[:, None] * F + offs_f[None, :], dq.to(DQ.dtype.element_ty),
+        tl.store(DQ + i_bh * T * F + rows[:, None] * F + offs_f[None, :],
+                 dq.to(DQ.dtype.element_ty),
                  mask=mask_t[:, None] & mask_f[None, :])
 
         dz = tl.load(DZS + st * F + offs_f, mask=mask_f, other=0.)         # (BF,)
         qT = _tile(Q + i_bh * T * F, offs_f, rows, 1, F, mask_f, mask_t)   # (BF, BT)
         dkT = _dot(qT, G, BF16, PRECISION) + (dkT + dz[:, None]) * tl.exp(c - m_after)[None, :]
-        tl.store(DK + i_bh * T * F + rows[None, :] * F + offs_f[:, None], dkT.to(DK.dtype.element_ty),
+        tl.store(DK + i_bh * T * F + rows[None, :] * F + offs_f[:, None],
+                 dkT.to(DK.dtype.element_ty),
                  mask=mask_f[:, None] & mask_t[None, :])
 
     @triton.jit
@@ -372,8 +405,9 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """dv = P^T g + k dS e^(c_s - M_j) for one chunk and value block, P^T_st = k_s . q_t e^(c_s - m_t) (s <= t);
-        program = (chunk, bh, value block), P^T and k dS accumulated over feature blocks."""
+        """dv = P^T g + k dS e^(c_s - M_j) for one chunk and value block, P^T_st = k_s . q_t e^(c_s
+        - m_t) (s <= t); program = (chunk, bh, value block), P^T and k dS accumulated over feature
+        blocks."""
         i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
         rows, mask_t, _, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -397,7 +431,8 @@ if HAS_TRITON:
         dy = _tile(DY + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)
         g = dy * rden[:, None]                                             # (BT, BD)
         dv = _dot(PT, g, BF16, PRECISION) + kdS * tl.exp(c - m_after)[:, None]
-        tl.store(DV + i_bh * T * D + rows[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty),
+        tl.store(DV + i_bh * T * D + rows[:, None] * D + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty),
                  mask=mask_t[:, None] & mask_d[None, :])
 
 # ---- launch and autograd ----------------------------------------------------
@@ -430,9 +465,11 @@ def _launches(BH, T, F, D, chunk, cfg):
             'bwd dv': (_bwd_dv_kernel, out_grid, out)}
 
 def _cfg(dtype, tf32):
-    """The operands' form: bf16 (tensor cores), or fp32 multiplies in 'tf32' or 'ieee' (Precision)."""
+    """The operands' form: bf16 (tensor cores), or fp32 multiplies in 'tf32' or 'ieee'
+    (Precision)."""
     interpreter_or_ieee = INTERPRET or (dtype == torch.float32 and not tf32)
-    return dict(BF16=dtype == torch.bfloat16 and not INTERPRET,   # the interpreter's bf16 dot is wrong
+    return dict(BF16=dtype == torch.bfloat16 and not INTERPRET,   # the interpreter's bf16 dot is
+                                                                  # wrong
                 PRECISION='ieee' if interpreter_or_ieee else 'tf32')
 
 def _launch(launches, name, *args):
@@ -442,11 +479,13 @@ def _launch(launches, name, *args):
 def _chunk_states(x, T, F, D, chunk, cfg):
     """Empty per-chunk states (B*H, NT, F, D) and their z (B*H, NT, F) (dtypes: Memory above)."""
     nt, dt = triton.cdiv(T, chunk), torch.bfloat16 if cfg['BF16'] else torch.float32
-    return x.new_empty(x.shape[0], nt, F, D, dtype=dt), x.new_empty(x.shape[0], nt, F, dtype=torch.float32)
+    return x.new_empty(x.shape[0], nt, F, D, dtype=dt), x.new_empty(x.shape[0], nt, F,
+                                                                    dtype=torch.float32)
 
 def _new_state(x, F, D):
     """An empty fp32 state (S (B*H, F, D), z (B*H, F)) beside x (B*H, ...)."""
-    return x.new_empty(x.shape[0], F, D, dtype=torch.float32), x.new_empty(x.shape[0], F, dtype=torch.float32)
+    return x.new_empty(x.shape[0], F, D, dtype=torch.float32), x.new_empty(x.shape[0], F,
+                                                                           dtype=torch.float32)
 
 def _on_device(x):
     """Launch on x's GPU (a no-op on the CPU)."""
@@ -455,7 +494,8 @@ def _on_device(x):
 def _rows(x, *shape, fp32=True):
     """x as contiguous fp32 (B*H, *shape), the kernels' layout of states and per-row vectors
     (fp32=False: float64 stays)."""
-    return (x if x.dtype == torch.float64 and not fp32 else x.float()).reshape(-1, *shape).contiguous()
+    return (x if x.dtype == torch.float64 and not fp32 else x.float()).reshape(-1,
+                                                                               *shape).contiguous()
 
 def _rebased(c, m0, T, chunk):
     """Key shifts c (B, H, T) and the initial units m0 (B, H) as the kernels take them, (B*H, T)
@@ -467,7 +507,8 @@ def _rebased(c, m0, T, chunk):
     M = torch.cat([last, m[:, -1:]], 1) if T % chunk else last            # (BH, NT): M_j
     M_before = torch.cat([m0[:, None].detach(), M[:, :-1]], 1) - M
     units = M.repeat_interleave(chunk, 1)[:, :T]
-    return (c - units).float(), (m - units).float().contiguous(), M_before.float().contiguous(), m[:, -1]
+    return (c - units).float(), (m - units).float().contiguous(), M_before.float().contiguous(), m[
+        :, -1]
 
 class CausalLinearAttention(torch.autograd.Function):
     """apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32) -> y, or
@@ -478,8 +519,10 @@ class CausalLinearAttention(torch.autograd.Function):
     def forward(ctx, phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32):
         (B, H, T, F), D = phi_q.shape, v.shape[-1]
         dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)   # -> the operands' dtype: see Precision
-        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else functools.reduce(torch.promote_types, dtypes)
-        cfg = _cfg(dtype, torch.backends.cuda.matmul.allow_tf32 if allow_tf32 is None else allow_tf32)
+        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else functools.reduce(
+            torch.promote_types, dtypes)
+        cfg = _cfg(dtype, torch.backends.cuda.matmul.allow_tf32
+                   if allow_tf32 is None else allow_tf32)
         q, k, vv = (x.to(dtype).reshape(B * H, T, -1).contiguous() for x in (phi_q, phi_k, v))
         if S0 is not None:
             S0, z0 = _rows(S0, F, D), _rows(z0, F)
@@ -515,8 +558,10 @@ class CausalLinearAttention(torch.autograd.Function):
             dq, dk, dv = (torch.empty_like(x, dtype=dt) for x, dt in zip((q, k, vv), ctx.dtypes))
             dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)   # fp32
             _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, None, None, T, F, D)
-            _launch(launches, 'bwd dstate', q, dy, m, MB, rden, delta, dstates, dzs, dS_end, dz_end, dS0, dz0, T, F, D)
-            _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m, MB, dq, dk, T, F, D)
+            _launch(launches, 'bwd dstate', q, dy, m, MB, rden, delta, dstates, dzs, dS_end,
+                    dz_end, dS0, dz0, T, F, D)
+            _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m,
+                    MB, dq, dk, T, F, D)
             _launch(launches, 'bwd dv', q, k, dy, rden, dstates, c, m, MB, dv, T, F, D)
         dc = (dk.float() * k.float()).sum(-1) if ctx.needs_input_grad[5] else None   # (BH, T)
         grads = [g.reshape(B, H, T, -1) for g in (dq, dk, dv)]
@@ -534,15 +579,18 @@ if HAS_TRITON:
         if NOPE:
             half = D // 2
             partner = tl.load(X + (offs_d + half) % D, mask=offs_d < D, other=0.).to(tl.float32)
-            angle = pos.to(tl.float32) * tl.load(INV_FREQ + offs_d % half, mask=offs_d < D, other=0.)
+            angle = pos.to(tl.float32) * tl.load(INV_FREQ + offs_d % half,
+                                                 mask=offs_d < D, other=0.)
             x = x * tl.cos(angle) + tl.where(offs_d < half, partner, -partner) * tl.sin(angle)
         return x
 
     @triton.jit
-    def _features(xq, xk, h, MAP_W, MAP_B, offs_d, D, FW, BU: tl.constexpr, SKIP: tl.constexpr, LOG: tl.constexpr):
-        """Hedgehog's and LoLCATs' features of a query and a key (BD,) for query head h: u = W_h x + b_h (+ x, LoLCATs'
-        skip), phi = [f(u), f(-u)] (F = 2 FW): f a softmax over each half, or exp (LOG), shifted by c, the largest
-        log-feature -> (phi_q, c_q, phi_k, c_k), phi (2 BU,): feature f at row (f // BU) FW + f % BU of the state."""
+    def _features(xq, xk, h, MAP_W, MAP_B, offs_d, D, FW, BU: tl.constexpr,
+                  SKIP: tl.constexpr, LOG: tl.constexpr):
+        """Hedgehog's and LoLCATs' features of a query and a key (BD,) for query head h: u = W_h x +
+        b_h (+ x, LoLCATs' skip), phi = [f(u), f(-u)] (F = 2 FW): f a softmax over each half, or exp
+        (LOG), shifted by c, the largest log-feature -> (phi_q, c_q, phi_k, c_k), phi (2 BU,):
+        feature f at row (f // BU) FW + f % BU of the state."""
         offs_u = tl.arange(0, BU)
         w = _tile(MAP_W + h * FW * D, offs_u, offs_d, D, 1, offs_u < FW, offs_d < D)    # (BU, BD)
         if SKIP:
@@ -557,20 +605,25 @@ if HAS_TRITON:
         """[f(u), f(-u)] of u (BU,) as (2 BU,): (phi, c) as _features."""
         offs = tl.arange(0, 2 * BU)
         first, valid = offs < BU, offs % BU < FW
-        u = tl.where(valid, tl.reshape(tl.permute(tl.join(u, -u), (1, 0)), (2 * BU,)), -float('inf'))
+        u = tl.where(valid, tl.reshape(tl.permute(tl.join(u, -u), (1, 0)),
+                                       (2 * BU,)), -float('inf'))
         c = tl.max(u, 0)
         if LOG:
             return tl.exp(u - c), c
         inf = float('inf')
-        top = tl.where(first, tl.max(tl.where(first, u, -inf), 0), tl.max(tl.where(first, -inf, u), 0))
+        top = tl.where(first, tl.max(tl.where(first, u, -inf), 0),
+                       tl.max(tl.where(first, -inf, u), 0))
         e = tl.exp(u - top)
-        total = tl.where(first, tl.sum(tl.where(first, e, 0.), 0), tl.sum(tl.where(first, 0., e), 0))
+        total = tl.where(first, tl.sum(tl.where(first, e, 0.), 0),
+                         tl.sum(tl.where(first, 0., e), 0))
         return e / total, c * 0.
 
     @triton.jit
     def _ring_write(R, R2, x, new, offs_l, offs_d, D, inside):
-        """The slots R (L, D) with x (BD,) in the row where new, stored to R2 (R itself: in place)."""
-        tile = tl.where(new, x[None, :], tl.load(R + offs_l[:, None] * D + offs_d[None, :], mask=inside, other=0.))
+        """The slots R (L, D) with x (BD,) in the row where new, stored to R2 (R itself: in
+        place)."""
+        tile = tl.where(new, x[None, :], tl.load(R + offs_l[:, None] * D + offs_d[None, :],
+                                                 mask=inside, other=0.))
         tl.store(R2 + offs_l[:, None] * D + offs_d[None, :], tile, mask=inside)
 
     @triton.jit
@@ -582,17 +635,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_kernel(
-        Q, K, V, Y,               # (B, H, D) this token's q, k and v (GQA-repeated), out y (B, H, D)
+        Q, K, V, Y,               # (B, H, D) this token's q, k and v (GQA-repeated), out y (B, H,
+                                  # D)
         MAP_W, MAP_B, INV_FREQ,   # the map's (H, FW, D), (H, FW); RoPE's (D/2,) (NOPE)
         RATE, THETA,              # (H,) decay_rate (DECAY), window_factor (WINDOW)
         S, Z, M, S2, Z2, M2,      # the linear state (B, H, F, D), (B, H, F), (B, H), in and out
         RK, RV, RP, RK2, RV2, RP2,   # WINDOW: the slots (B, H / G, L, D) x 2, (L,), in and out
         POS, H, D, FW, L, W, N,   # (1,) this token's position; the window, its sinks, L = N + W
         G: tl.constexpr, BD: tl.constexpr, BU: tl.constexpr, BL: tl.constexpr, SKIP: tl.constexpr,
-        LOG: tl.constexpr, NOPE: tl.constexpr, DECAY: tl.constexpr, WINDOW: tl.constexpr, MIX: tl.constexpr,
+        LOG: tl.constexpr, NOPE: tl.constexpr, DECAY: tl.constexpr,
+        WINDOW: tl.constexpr, MIX: tl.constexpr,
     ):
         """One token of one layer, program (b, j): batch row b, KV head j and its G query heads. The
-        state goes from (S, .., RP) to (S2, .., RP2): new buffers, or the same ones (a CUDA graph's).
+        state goes from (S, .., RP) to (S2, .., RP2): new buffers, or the same ones (a CUDA
+        graph's).
             Linear   fold the token into (S, z, m); y = phi(q) S / phi(q) z
             Window   write the token into its slot (its sink's while pos < N, else N + pos % W);
                      softmax over the slots; the linear part read as it was; joint or mix combine;
@@ -604,8 +660,10 @@ if HAS_TRITON:
         kv = (b * H + j * G) * D                                   # the KV head's k and v
         k = tl.load(K + kv + offs_d, mask=mask_d, other=0.).to(tl.float32)
         v = tl.load(V + kv + offs_d, mask=mask_d, other=0.).to(tl.float32)
-        at, kn = pos, _unrope(K + kv, offs_d, D, pos, INV_FREQ, NOPE)   # the key to fold, as maps see it
-        if WINDOW:   # the slots with this token written; the token leaving for the next query: at, kn, v
+        at, kn = pos, _unrope(K + kv, offs_d, D, pos, INV_FREQ, NOPE)   # the key to fold, as maps
+                                                                        # see it
+        if WINDOW:   # the slots with this token written; the token leaving for the next query: at,
+                     # kn, v
             ring, slot = (b * (H // G) + j) * L * D, tl.where(pos < N, pos, N + pos % W)
             new, inside = offs_l[:, None] == slot, (offs_l < L)[:, None] & mask_d[None, :]
             p = tl.where(offs_l == slot, pos, tl.load(RP + offs_l, mask=offs_l < L, other=-1))
@@ -620,17 +678,22 @@ if HAS_TRITON:
             h = j * G + i
             row = b * H + h
             qn = _unrope(Q + row * D, offs_d, D, pos, INV_FREQ, NOPE)
-            phi_q, c_q, phi_k, c_k = _features(qn, kn, h, MAP_W, MAP_B, offs_d, D, FW, BU, SKIP, LOG)
+            phi_q, c_q, phi_k, c_k = _features(qn, kn, h, MAP_W, MAP_B, offs_d,
+                                               D, FW, BU, SKIP, LOG)
             c_q, c_k = c_q.to(tl.float64), c_k.to(tl.float64)
             if DECAY:   # lambda^(t - s) as shifts, in float64 as hybrids' (g = exp(decay_rate))
                 g = tl.exp(tl.load(RATE + h).to(tl.float64))
                 c_q, c_k = c_q - g * pos, c_k + g * at
             if WINDOW:   # the softmax part first (the slots), then the linear state
                 q = tl.load(Q + row * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
-                Kw = tl.where(new, k[None, :], _tile(RK + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d))
-                s = tl.where(p >= 0, tl.sum(Kw * q[None, :], 1) / tl.sqrt(D.to(tl.float32)), -float('inf'))
-                a = tl.exp(s - tl.max(s, 0))                               # (BL,) the window's weights
-                Vw = tl.where(new, v[None, :], _tile(RV + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d))
+                Kw = tl.where(new, k[None, :], _tile(RK + ring, offs_l, offs_d, D, 1,
+                                                     offs_l < L, mask_d))
+                s = tl.where(p >= 0,
+                             tl.sum(Kw * q[None, :], 1) / tl.sqrt(D.to(tl.float32)), -float('inf'))
+                a = tl.exp(s - tl.max(s, 0))                               # (BL,) the window's
+                                                                           # weights
+                Vw = tl.where(new, v[None, :], _tile(RV + ring, offs_l, offs_d, D, 1,
+                                                     offs_l < L, mask_d))
                 y_w = tl.sum(a[:, None] * Vw, 0) / tl.sum(a, 0)
             S_h = _tile(S + row * F * D, rows_f, offs_d, D, 1, mask_f, mask_d)
             z_h = tl.load(Z + row * F + rows_f, mask=mask_f, other=0.)
@@ -640,7 +703,8 @@ if HAS_TRITON:
                 share = 1. / (1. + tl.exp(-tl.load(THETA + h)))          # the window factor
                 if not MIX:   # joint: the window part's share of gamma den_w + exp(c) den
                     c = (c_q + m_h).to(tl.float32)
-                    share = 1. / (1. + tl.exp(c + tl.log(tl.where(den > 0, den, 1.)) - tl.log(share * tl.sum(a, 0))))
+                    share = 1. / (1. + tl.exp(c + tl.log(tl.where(den > 0, den, 1.))
+                                              - tl.log(share * tl.sum(a, 0))))
                 y_l = tl.where(den > 0, num / tl.where(den > 0, den, 1.), 0.)
                 y = y_l + tl.where(den > 0, share, 1.) * (y_w - y_l)
                 if LOG or DECAY:   # (an empty slot: no key; else as a map without shifts, c = 0)
@@ -651,16 +715,19 @@ if HAS_TRITON:
                 num, den = tl.sum(phi_q[:, None] * S_h, 0), tl.sum(phi_q * z_h, 0)
                 y = tl.where(den > 0, num / tl.where(den > 0, den, 1.), 0.)
             tl.store(Y + row * D + offs_d, y.to(Y.dtype.element_ty), mask=mask_d)
-            _store_state(S2 + row * F * D, Z2 + row * F, S_h, z_h, rows_f, offs_d, D, mask_f, mask_d, 0)
+            _store_state(S2 + row * F * D, Z2 + row * F, S_h, z_h, rows_f, offs_d,
+                         D, mask_f, mask_d, 0)
             tl.store(M2 + row, m_h.to(M2.dtype.element_ty))
 
 def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, window=0, sinks=0,
-                skip=False, log=False, mix=False, theta=None, rate=None, inv_freq=None, in_place=False):
-    """One token of one layer's heads with a Hedgehog or LoLCATs map, in one launch of _decode_kernel (its reference:
-    hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v GQA-repeated; pos (1,) long: the token's position;
-    map_w (H, FW, D), map_b (H, FW); linear (S, z, m); slots (k, v, pos) of a window (None: linear attention alone);
-    theta, rate: the window factor and the decay rate, raw, (H,); inv_freq: RoPE's (nope). in_place: the state's own
-    buffers are written (a CUDA graph's). -> y (B, H, 1, D) in v's dtype, the new linear state and slots."""
+                skip=False, log=False, mix=False, theta=None, rate=None,
+                inv_freq=None, in_place=False):
+    """One token of one layer's heads with a Hedgehog or LoLCATs map, in one launch of
+    _decode_kernel (its reference: hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v
+    GQA-repeated; pos (1,) long: the token's position; map_w (H, FW, D), map_b (H, FW); linear (S,
+    z, m); slots (k, v, pos) of a window (None: linear attention alone); theta, rate: the window
+    factor and the decay rate, raw, (H,); inv_freq: RoPE's (nope). in_place: the state's own buffers
+    are written (a CUDA graph's). -> y (B, H, 1, D) in v's dtype, the new linear state and slots."""
     (B, H, _, D), FW = q.shape, map_w.shape[1]
     q, k, v, *state = (x.contiguous() for x in (q, k, v, *linear, *(slots or ())))
     linear, slots = state[:3], state[3:] or None
@@ -668,21 +735,27 @@ def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, win
     y = torch.empty_like(v)
     L = slots[0].shape[2] if slots else 1
     some = slots[2] if slots else pos   # (an unused pointer where a part is off)
-    with _on_device(v), torch.profiler.record_function('triton::decode_step'):   # (eval.step_ops counts it)
+    # (eval.step_ops counts it)
+    with _on_device(v), torch.profiler.record_function('triton::decode_step'):
         _decode_kernel[(B, H // kv_groups)](
             q, k, v, y, map_w, map_b, inv_freq if inv_freq is not None else map_b,
-            rate if rate is not None else map_b, theta if theta is not None else map_b, *linear, *out[:3],
-            *(slots or (some,) * 3), *(out[3:] or (some,) * 3), pos, H, D, FW, L, max(window, 1), sinks,
-            G=kv_groups, BD=triton.next_power_of_2(D), BU=triton.next_power_of_2(FW), BL=triton.next_power_of_2(L),
-            SKIP=skip, LOG=log, NOPE=inv_freq is not None, DECAY=rate is not None, WINDOW=slots is not None, MIX=mix,
+            rate if rate is not None else map_b,
+            theta if theta is not None else map_b, *linear, *out[:3],
+            *(slots or (some,) * 3), *(out[3:] or (some,) * 3), pos, H, D, FW, L,
+            max(window, 1), sinks,
+            G=kv_groups, BD=triton.next_power_of_2(D), BU=triton.next_power_of_2(FW),
+            BL=triton.next_power_of_2(L),
+            SKIP=skip, LOG=log, NOPE=inv_freq is not None, DECAY=rate is not None,
+            WINDOW=slots is not None, MIX=mix,
             num_warps=decode_warps(2 * FW, D))
     return y, tuple(out[:3]), tuple(out[3:]) or None
 
 def decode_warps(F, D, L=1):
-    """The fused decode step's warps for F features, head size D and L slots: 4 for tiles (powers of two) up
-    to 2,048 values, 8 up to 8,192; 0 where F x D or L x D is larger: it would spill there (no spill on sm_80
-    and sm_90 otherwise, tests/test_kernels_compile.py)."""
-    size = lambda n: 1 << (n - 1).bit_length()   # noqa: E731, the power of two a tile of n rounds up to
+    """The fused decode step's warps for F features, head size D and L slots: 4 for tiles (powers of
+    two) up to 2,048 values, 8 up to 8,192; 0 where F x D or L x D is larger: it would spill there
+    (no spill on sm_80 and sm_90 otherwise, tests/test_kernels_compile.py)."""
+    size = lambda n: 1 << (n - 1).bit_length()   # noqa: E731, the power of two a tile of n rounds
+                                                 # up to
     tile = max(size(F), size(L)) * size(D)
     return 0 if tile > 8192 else 4 if size(F) * size(D) <= 2048 else 8
 
@@ -703,7 +776,8 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     (default 64); allow_tf32: fp32 inputs only (default: torch's flag)."""
     if not triton_available(v):
         got = 'no triton' if not HAS_TRITON else v.device.type + ' tensors'
-        raise RuntimeError(f"the Triton kernel needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
+        raise RuntimeError(
+            f"the Triton kernel needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
                            f"set before importing kernels), got {got}")
     if phi_q.dim() != 4 or phi_q.shape != phi_k.shape or v.shape[:3] != phi_q.shape[:3]:
         raise ValueError(f"expected phi_q, phi_k (B, H, T, F), v (B, H, T, D); got "
@@ -720,7 +794,8 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     c = phi_q.new_zeros(phi_q.shape[:3]) if c_k is None else c_k
     c, m, MB, m_end = _rebased(c, m0, phi_q.shape[2], chunk_size)
     with _on_device(v):
-        out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps, bool(return_state),
+        out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c, m, MB,
+                                          eps, bool(return_state),
                                           int(chunk_size), allow_tf32)
     if not return_state:
         return out
@@ -734,12 +809,16 @@ def _benchmark(B, H, Ts, F, D, dt):
     fla = importlib.util.find_spec('fla') and importlib.import_module('fla.ops.linear_attn')
     fla = fla and fla.chunk_linear_attn
     print(f'B={B} H={H} F={F} D={D} {dt}: median ms (triton.testing.do_bench), fwd / fwd+bwd' +
-          ('; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) layout made untimed'
+          (
+              '; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) '
+              'layout made untimed'
            if fla else ' (pip install flash-linear-attention adds its chunk_linear_attn)'))
-    print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}' + f' {"fla":>16} {"kernel vs fla":>13}' * bool(fla))
+    print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}'
+          + f' {"fla":>16} {"kernel vs fla":>13}' * bool(fla))
     for T in Ts:
         x = [torch.randn(B, H, T, D, device='cuda', dtype=dt, requires_grad=True) for _ in range(3)]
-        pq, pk = (torch.rand(B, H, T, F, device='cuda', dtype=dt, requires_grad=True) for _ in range(2))
+        pq, pk = (torch.rand(B, H, T, F, device='cuda', dtype=dt,
+                             requires_grad=True) for _ in range(2))
         fns = {'kernel': lambda: causal_linear_attention(pq, pk, x[2]),
                'reference': lambda: causal_linear_attention_reference(pq, pk, x[2]),
                'sdpa': lambda: torch.nn.functional.scaled_dot_product_attention(*x, is_causal=True)}
@@ -760,9 +839,11 @@ def _benchmark(B, H, Ts, F, D, dt):
             cells.append(f'{((y - yf).norm() / y.norm()).item():.1e}')
         print(f'{T:>6} ' + ' '.join(f'{c:>16}' for c in cells))
 
-if __name__ == '__main__':   # python kernels.py [--T 1024,4096] [--B 4] [--dtype bfloat16] [--F 128] [--D 64]
+if __name__ == '__main__':   # python kernels.py [--T 1024,4096] [--B 4] [--dtype bfloat16] [--F
+                             # 128] [--D 64]
     import argparse
-    p = argparse.ArgumentParser(description='Time the kernel against its naive reference and torch SDPA on a CUDA GPU.')
+    p = argparse.ArgumentParser(
+        description='Time the kernel against its naive reference and torch SDPA on a CUDA GPU.')
     p.add_argument('--T', default='1024,4096,16384', help='comma-separated sequence lengths')
     p.add_argument('--B', type=int, default=4, help='batch size (12 heads)')
     p.add_argument('--dtype', default='bfloat16', choices=['float32', 'bfloat16', 'float16'])
@@ -770,5 +851,6 @@ if __name__ == '__main__':   # python kernels.py [--T 1024,4096] [--B 4] [--dtyp
     p.add_argument('--D', type=int, default=64, help='head dimension (the kernel: D <= 128)')
     a = p.parse_args()
     if not (HAS_TRITON and torch.cuda.is_available()):
-        raise SystemExit('kernels.py: the benchmark needs triton and a CUDA GPU (tests/test_kernels.py: on CPU)')
+        raise SystemExit(
+            'kernels.py: the benchmark needs triton and a CUDA GPU (tests/test_kernels.py: on CPU)')
     _benchmark(a.B, 12, [int(t) for t in a.T.split(',')], a.F, a.D, getattr(torch, a.dtype))
