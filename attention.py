@@ -54,7 +54,7 @@ def check_qk(q, k, head_dim, n_heads):
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}")
+            f"{tuple(k.shape)}")
     if (q.shape[1], q.shape[-1]) != (n_heads, head_dim):
         raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got q "
                          f"{tuple(q.shape)}")
@@ -214,9 +214,8 @@ class CosformerFeatureMap(FeatureMap):
     def phi(self, x, which, offset):
         T = x.shape[-2]
         if offset + T > self.max_len:
-            raise UsageError(
-                f"cosformer: position {offset + T - 1} is beyond max_len={self.max_len} "
-                             "(set it larger)")
+            raise UsageError(f"cosformer: position {offset + T - 1} is beyond "
+                             f"max_len={self.max_len} " "(set it larger)")
         positions = torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
         angle = (math.pi / (2 * self.max_len) * positions)[:, None]                 # (T, 1)
         return torch.cat([nnf.relu(x) * angle.cos(), nnf.relu(x) * angle.sin()], dim=-1)
@@ -345,8 +344,8 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     h_lln = torch.tensor(h_lln, dtype=torch.float64)
     if not (h_lln[1:] < h_lln[:-1]).all() or h_lln[-1] > h_sm[-1]:
         raise RuntimeError(
-            f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at "
-                           f"s^2 = {s2_max}, at head_dim={head_dim}, n_tokens={n_tokens}")
+            f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at s^2 = "
+            f"{s2_max}, at head_dim={head_dim}, n_tokens={n_tokens}")
     return s2_grid, _interp(-h_sm, -h_lln, torch.tensor(xs, dtype=torch.float64))
 
 def _interp(x, xp, fp):
@@ -664,17 +663,16 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     an initial_state. impl 'chunked' runs the Triton kernel on CUDA with triton installed, where it
     fits (causal, F <= 256, D <= 128), else PyTorch's chunked path; 'triton' insists."""
     _choose('impl', impl, IMPLS)
-    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[
-        :3] != phi_k.shape[:3]:
+    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
         raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
     F, D = phi_q.shape[-1], v.shape[-1]
     fits = causal and kernels.triton_available(v) and kernels.supports(F, D)   # the kernel fits
     if impl == 'triton' and not fits:
         raise UsageError(
-            f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) "
-                         f"and F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got "
-                         f"causal={causal}, {v.device.type}, F={F}, D={D}: use impl='chunked'")
+            f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and F <= "
+            f"{kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
+            f"{v.device.type}, F={F}, D={D}: use impl='chunked'")
     if impl == 'triton' or (impl == 'chunked' and v.is_cuda and fits):
         return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state,
                                                c_k=c_k)

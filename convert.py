@@ -146,8 +146,7 @@ def loss_weights(spec, attn):
     if w.get('l2') and attn.name not in KERNEL_MAPS:
         raise UsageError(
             f"--loss l2 compares phi(q).phi(k) with exp(q.k/sqrt d) itself, unnormalised: it fits "
-            "the maps "
-                         f"that estimate that kernel ({', '.join(KERNEL_MAPS)}), not {attn.name}")
+            f"the maps that estimate that kernel ({', '.join(KERNEL_MAPS)}), not {attn.name}")
     return w
 
 def parse_layers(spec, n_layer):
@@ -235,8 +234,7 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
     return dims if clip is None else [min(d, int(clip)) for d in dims]
 
 def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_GPT2,
-                        n_samples: int = 256,
-                        clip: int | None = None, unit: int = 1, seed: int = 0,
+                        n_samples: int = 256, clip: int | None = None, unit: int = 1, seed: int = 0,
                         verbose: bool = True):
     """DoF Algorithm 1 (+ Clip): layer_qk {layer: (q, k)}, q, k (H, M, D) teacher queries/keys after
     RoPE. unit: feature dims come in multiples of it (hedgehog's F is 2 x its MLP outputs: those are
@@ -245,9 +243,8 @@ def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_G
     layers, g = sorted(layer_qk), torch.Generator().manual_seed(seed)
     per_head = [head_dofs(*layer_qk[l], lam, n_samples, g) for l in layers]
     layer_dof = [max(d) for d in per_head]
-    alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit,
-                                                       clip=c and c // unit,
-                                                       min_dim=max(1, 2 // unit))]
+    alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit, clip=c
+                                                       and c // unit, min_dim=max(1, 2 // unit))]
     dims, free = alloc(clip), alloc(None)
     table = [dict(layer=l, dof_heads=[round(x, 3) for x in h], dof_max=round(d, 3), feature_dim=fd,
                   **({'unclipped': u} if clip is not None else {}))
@@ -267,18 +264,17 @@ def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
              '|---|---|---|---|' + ('---|' if c else '')]
     lines += [
         f"| {r['layer']} | {' '.join(f'{x:.1f}' for x in r['dof_heads'])} | {r['dof_max']:.2f} | "
-              f"{r['feature_dim']} |" + (f" {r['unclipped']} |" if c else '') for r in table]
+        f"{r['feature_dim']} |" + (f" {r['unclipped']} |" if c else '') for r in table]
     if table:
         n_clipped = sum(r['unclipped'] > r['feature_dim'] for r in table) if c else 0
         lines.append(
             f"mean feature_dim = {sum(r['feature_dim'] for r in table) / len(table):g} (budget C = "
-                     f'{budget:g}' + (f'; {n_clipped} of {len(table)} layers clipped at {clip}'
-                                      if c else '') + ')')
+            "" f'{budget:g}' + (f'; {n_clipped} of {len(table)} layers clipped at {clip}'
+                                if c else '') + ')')
         top = max(r['dof_max'] for r in table)
         if top > 0.9 * n_samples:
-            lines.append(
-                f'note: max DoF {top:.1f} is near J = {n_samples}, where the estimate saturates; '
-                         'a larger --dof_lambda separates the layers')
+            lines.append(f'note: max DoF {top:.1f} is near J = {n_samples}, where the estimate '
+                         'saturates; ' 'a larger --dof_lambda separates the layers')
     return '\n'.join(lines)
 
 # ---- stage 1: the attention-transfer loss of one layer, on its teacher's q, k, v ----
@@ -340,8 +336,8 @@ def load_task(cfg, model):
                                                                         # model)
     return train.Task(train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
                                        val_data=cfg.val_data, glue_task=cfg.glue_task,
-                                       batch_size=cfg.batch_size,
-                                       seq_len=cfg.block_size, seed=cfg.seed), tok)
+                                       batch_size=cfg.batch_size, seq_len=cfg.block_size,
+                                       seed=cfg.seed), tok)
 
 @torch.no_grad()
 def evaluate(model, module, task, cfg, rt, layers):
@@ -387,9 +383,8 @@ def teacher_qk(model, batches, layers, rt):
                                                   *x.shape[d + 1:])], d)
     for l in layers:
         q, k = (torch.cat([grow(r[l][i].float(), 2) for r in recs]) for i in (0, 1))
-        masks = [torch.ones(r[l][0].shape[0], r[l][0].shape[2], dtype=torch.bool,
-                            device=q.device) if r[l][3] is None
-                 else r[l][3].bool() for r in recs]
+        masks = [torch.ones(r[l][0].shape[0], r[l][0].shape[2], dtype=torch.bool, device=q.device)
+                 if r[l][3] is None else r[l][3].bool() for r in recs]
         out[l] = (q, k, torch.cat([grow(m, 1) for m in masks]))
     return out
 
@@ -405,8 +400,7 @@ def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
     cfg = model.config
     score = torch.zeros(cfg.n_layer, cfg.n_kv_head, dtype=torch.float64)
     prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,),
-                                    samples=samples, seed=seed,
-                                    template='probe')
+                                    samples=samples, seed=seed, template='probe')
     for p in prompts:
         text, n = p['input'] + ' ' + p['target'], len(tok.encode(p['input']))
         ids = tok.encode(text)[:-1]   # the rows n - 1 .. end predict the answer's tokens
@@ -416,8 +410,9 @@ def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
         for l, (q, k, _, _) in rec.items():
             w = A.softmax_weights(q[:, :, n - 1:], k, attn_mask=A.causal_mask(len(ids) - n + 1,
                                                                               len(ids), q.device))
-            score[l] += w[0][..., keys].sum(-1).mean(-1).double().cpu().view(
-                cfg.n_kv_head, -1).mean(-1) / len(prompts)
+            score[l] += w[0][...,
+                             keys].sum(-1).mean(-1).double().cpu().view(cfg.n_kv_head,
+                                                                        -1).mean(-1) / len(prompts)
     return score
 
 def exact_heads(scores, n, rank='probe', seed=0):
@@ -440,23 +435,20 @@ def swap(model, cfg, layers, qk):
         unit = 2 if spec.name == 'hedgehog' else 1
         # (nope: RoPE undone)
         seen = {l: M.make_core(model.config, spec).map_inputs(*qk[l][:2]) for l in layers}
-        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[
-            :, :DOF_TOKENS].cpu() for x in seen[l])
+        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :DOF_TOKENS].cpu()
+                           for x in seen[l])
                   for l in layers}   # (H, N, D): the real tokens
         clip = unit * model.config.head_dim if cfg.dof_clip else None
         dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda,
-                                                     cfg.dof_samples, clip,
-                                                     unit, cfg.seed)
-        specs = {l: replace(spec,
-                            options=tuple(sorted({**dict(spec.options), 'feature_dim': d}.items())))
-                 for l, d in dims.items()}
+                                                     cfg.dof_samples, clip, unit, cfg.seed)
+        specs = {l: replace(spec, options=tuple(
+            sorted({**dict(spec.options), 'feature_dim': d}.items()))) for l, d in dims.items()}
     if cfg.exact_heads:
         scores = retrieval_scores(model, model.tokenizer, next(model.parameters()).device)
         scores[[l for l in range(len(scores)) if l not in layers]] = -1.0   # heads of converted
                                                                             # layers only
         out.update(retrieval_scores=scores.tolist(),
-                   exact_heads=exact_heads(scores, cfg.exact_heads, cfg.exact_rank,
-                                                                                cfg.seed))
+                   exact_heads=exact_heads(scores, cfg.exact_heads, cfg.exact_rank, cfg.seed))
         specs.update({l: replace(specs[l], exact='+'.join(map(str, h)))
                       for l, h in out['exact_heads'].items()})
         print(f"exact KV heads ({cfg.exact_rank}): {out['exact_heads']}", flush=True)
@@ -527,8 +519,8 @@ def passkey_batch(tok, gen, block_size, batch_size):
         ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])   # row i predicts ids[i + 1]: only the
                                                               # answer's rows
     T = max(len(x) for x in xs)
-    return tuple(torch.tensor([r + [pad] * (T - len(r)) for r in rows]) for rows, pad in (
-        (xs, 0), (ys, -100)))
+    return tuple(torch.tensor([r + [pad] * (T - len(r)) for r in rows])
+                 for rows, pad in ((xs, 0), (ys, -100)))
 
 def finetune(model, module, task, cfg, rt):
     """Stage 2: the task loss (next token, or the GLUE classifier's) on the LoRA factors of every
@@ -580,11 +572,10 @@ def shard(model, cfg, rt):
 def check_fits(cfg, c, layers):
     """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
     kv, side = len(layers) * c.n_kv_head, min(c.n_embd, c.n_kv_head * c.head_dim)
-    for name, most, what in (('block_size', c.block_size,
-                              f"the teacher's {c.block_size} positions"),
-                             ('exact_heads', kv - 1,
-                              f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
-                             ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")):
+    for name, most, what in (
+        ('block_size', c.block_size, f"the teacher's {c.block_size} positions"),
+        ('exact_heads', kv - 1, f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
+        ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")):
         if getattr(cfg, name) > most:
             raise UsageError(f"--{name} {getattr(cfg, name)} is more than {what}")
 
@@ -594,7 +585,7 @@ def run(cfg):
     if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
         raise UsageError(
             "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
-                         "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
+            "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
     if not rt.master:   # under torchrun rank 0 prints
         sys.stdout = open(os.devnull, 'w')
     torch.manual_seed(cfg.seed)
@@ -615,10 +606,9 @@ def run(cfg):
              for i in range(CALIB_BATCHES)]
     print(
         f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of "
-        f"{c.head_dim}) to "
-          f"{cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
-    summary = dict(config=asdict(cfg), attn=str(cfg.spec), family=c.family, layers=layers,
-                   loss_weights=cfg.weights,
+        f"{c.head_dim}) to {cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
+    summary = dict(config=asdict(cfg),
+                   attn=str(cfg.spec), family=c.family, layers=layers, loss_weights=cfg.weights,
                    teacher=evaluate(model, module, task, cfg, rt, []).get('quality'), stages={})
     if cfg.task == 'lm' and summary['teacher']:
         summary['unigram'] = unigram_loss(task.splits['train'], task.splits['val'], c.vocab_size)
@@ -633,8 +623,9 @@ def run(cfg):
             continue
         rec = summary['stages'][name] = dict(fit, **evaluate(model, module, task, cfg, rt, layers))
         print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats ["
-              + ' '.join(f"L{l}={v:.3f}" for l, v in rec[
-                  'kl_layers'].items()) + f"], output MSE {rec['mse_mean']:.4g}"
+              + ' '.join(f"L{l}={v:.3f}"
+                         for l, v in rec['kl_layers'].items()) + f"], output MSE "
+                                                                 f"{rec['mse_mean']:.4g}"
               + ''.join(f" | {k} {v:.4g}" for k, v in (rec.get('quality') or {}).items()
                         if isinstance(v, float)),
               flush=True)
@@ -650,8 +641,7 @@ def run(cfg):
     if not rt.master:
         return None
     M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base,
-           keep=('classifier.',),
-           tensors=tensors)
+           keep=('classifier.',), tensors=tensors)
     summary['seconds'] = round(time.time() - t_start, 1)
     with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
         json.dump(summary, f, indent=2, default=str)
@@ -665,8 +655,7 @@ def held(model, rt):
     the whole cores), 'peak_bytes' (CUDA's most allocated; None on the CPU)}."""
     mine = dict(param_bytes=sum((p.to_local() if hasattr(p, 'to_local') else p).nbytes
                                 for p in model.parameters()),
-                peak_bytes=torch.cuda.max_memory_allocated(
-                    rt.device) if rt.device.startswith('cuda') else None)
+                peak_bytes=torch.cuda.max_memory_allocated(rt.device) if rt.device.startswith('cuda') else None)
     out = [mine] * rt.world
     if rt.ddp:
         dist.all_gather_object(out, mine)
@@ -687,7 +676,7 @@ def report(dirs):
     and wall time."""
     rows = [
         '| run | attn | teacher | swap | stage 1 | stage 2 | KL swap | KL stage 1 | KL stage 2 | '
-            'recovery s1 % | recovery s2 % | time |', '|' + '---|' * 12]
+        'recovery s1 % | recovery s2 % | time |', '|' + '---|' * 12]
     fmt = lambda x, spec: '-' if x is None else format(x, spec)
     for d in dirs:
         with open(os.path.join(d, 'summary.json')) as f:

@@ -162,8 +162,8 @@ def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
                              device=q.device).tril() if causal else mask
     mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself:
                                                                        # finite
-    return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).reshape(
-        B, H, n * block, -1)[:, :, :T]
+    return nnf.scaled_dot_product_attention(qb, kb, vb,
+                                            attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
 
 # ---- 2. the states' parts, and what every state offers ---------------------------
 @dataclass(frozen=True)
@@ -263,8 +263,8 @@ def static_state(state, capacity):
         raise UsageError(
             f"a CUDA graph starts after the sinks: a prompt of at least {state.sinks} tokens")
     state = _cloned(state)
-    return replace(state, slots=replace(state.slots, static=True)) if hasattr(
-        state, 'slots') else state
+    return replace(state, slots=replace(state.slots,
+                                        static=True)) if hasattr(state, 'slots') else state
 
 def _cloned(state):
     """The state with a copy of each tensor."""
@@ -348,8 +348,7 @@ class Attention(nn.Module):
             self.register_buffer(name, torch.tensor(idx, dtype=torch.long), persistent=False)
         self.fmap = None
         if spec.name != 'softmax' and self.mode != 'softmax':
-            options = {
-                'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
+            options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
             options.update(spec.options)  # the spec's own max_len wins
             self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
         self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would
@@ -583,16 +582,15 @@ def fusable(core):
     LoLCATs' (its skip the whole width), softmax or exp features, tiles kernels.decode_warps
     serves."""
     fm, spec = core.fmap, core.spec
-    ok = core.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in (
-        'softmax', 'exp') and \
+    ok = core.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax',
+                                                                                   'exp') and \
         (fm.weight.shape[1] == core.head_dim
          or type(fm) is A.HedgehogFeatureMap) and core.window != 1 and \
         kernels.decode_warps(fm.feature_dim, core.head_dim, spec.sinks + spec.window) > 0
     if spec.impl == 'triton' and core.mode == 'window' and not ok:
         raise UsageError(
             f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog "
-            "or "
-                         "lolcats map with softmax or exp features, a window of 2 or more")
+            "or " "lolcats map with softmax or exp features, a window of 2 or more")
     return ok
 
 def fused(core, x):
@@ -604,7 +602,7 @@ def fused(core, x):
     if core.spec.impl == 'triton' and not kernels.triton_available(x):
         raise UsageError(
             f"attention spec '{core.spec}': impl=triton needs triton and CUDA tensors (or "
-                         f"TRITON_INTERPRET=1), got {x.device.type}: use impl=chunked")
+            f"TRITON_INTERPRET=1), got {x.device.type}: use impl=chunked")
     return core.spec.impl == 'triton' or (x.is_cuda and kernels.triton_available(x))
 
 def fused_step(core, q, k, v, st):
@@ -659,9 +657,9 @@ class Window(Attention):
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         phi_q, phi_k, c_q, c_k = self._features(q, k, 0, key_padding_mask)
-        y, share = window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k,
-                                           self.spec, self.factor(),
-                                           self.causal, key_padding_mask, self.chunk_size)
+        y, share = window_linear_attention(q, k, v, phi_q, phi_k,
+                                           c_q, c_k, self.spec, self.factor(), self.causal,
+                                           key_padding_mask, self.chunk_size)
         self.share = share.detach()
         return y, self._state(k, v, phi_k, c_k) if return_state and self.causal else None
 
@@ -830,9 +828,8 @@ def lola_select(state, cand, n_keep, kv_groups):
     sre = sre.unflatten(1, (-1, kv_groups)).mean(2)                               # (B, H_kv, L)
     keep = sre.topk(min(n_keep, sre.shape[-1]), -1).indices.sort(-1).values      # (B, H_kv, n_keep)
     fold = rep(torch.ones_like(sre, dtype=torch.bool).scatter(-1, keep, False))  # (B, H, L)
-    return keep, state.fold(cand.phi * fold[..., None],
-                            cand.c.masked_fill(~fold, NO_KEY), rep(cand.v),
-                            len(cand) - keep.shape[-1])
+    return keep, state.fold(cand.phi * fold[..., None], cand.c.masked_fill(~fold, NO_KEY),
+                            rep(cand.v), len(cand) - keep.shape[-1])
 
 class Lola(Window):
     """The window hybrid with LoLA's sparse cache (McDermott et al. 2025, spec cache=): pairs leave
@@ -873,9 +870,8 @@ class Lola(Window):
         num_w, den_w, m_w = _window_softmax(q, keys, vals, visible)
         phi_q, phi_k, c_q, c_k = self._features(q, k, o)
         num_l, den_l = st.linear.read(phi_q)
-        y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l,
-                                         c_q + st.linear.m[..., None],
-                                         self.factor(), self.spec.combine)
+        y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l, c_q
+                                         + st.linear.m[..., None], self.factor(), self.spec.combine)
         return y, share, phi_k, c_k
 
     def _push(self, st, k, v, phi_k, c_k):

@@ -385,15 +385,13 @@ if HAS_TRITON:
         dq_state = (dq * rden[:, None] + r[:, None] * z[None, :]) * tl.exp(m_before - m)[:, None]
         dq = _dot(G, k, BF16, PRECISION) + dq_state
         tl.store(DQ + i_bh * T * F + rows[:, None] * F + offs_f[None, :],
-                 dq.to(DQ.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_f[None, :])
+                 dq.to(DQ.dtype.element_ty), mask=mask_t[:, None] & mask_f[None, :])
 
         dz = tl.load(DZS + st * F + offs_f, mask=mask_f, other=0.)         # (BF,)
         qT = _tile(Q + i_bh * T * F, offs_f, rows, 1, F, mask_f, mask_t)   # (BF, BT)
         dkT = _dot(qT, G, BF16, PRECISION) + (dkT + dz[:, None]) * tl.exp(c - m_after)[None, :]
         tl.store(DK + i_bh * T * F + rows[None, :] * F + offs_f[:, None],
-                 dkT.to(DK.dtype.element_ty),
-                 mask=mask_f[:, None] & mask_t[None, :])
+                 dkT.to(DK.dtype.element_ty), mask=mask_f[:, None] & mask_t[None, :])
 
     @triton.jit
     def _bwd_dv_kernel(
@@ -432,8 +430,7 @@ if HAS_TRITON:
         g = dy * rden[:, None]                                             # (BT, BD)
         dv = _dot(PT, g, BF16, PRECISION) + kdS * tl.exp(c - m_after)[:, None]
         tl.store(DV + i_bh * T * D + rows[:, None] * D + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_d[None, :])
+                 dv.to(DV.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
 # ---- launch and autograd ----------------------------------------------------
 # (BLOCK_F, BLOCK_D, num_warps) of the sequential passes, of 'fwd out' and 'bwd dv', and of 'bwd
@@ -507,8 +504,9 @@ def _rebased(c, m0, T, chunk):
     M = torch.cat([last, m[:, -1:]], 1) if T % chunk else last            # (BH, NT): M_j
     M_before = torch.cat([m0[:, None].detach(), M[:, :-1]], 1) - M
     units = M.repeat_interleave(chunk, 1)[:, :T]
-    return (c - units).float(), (m - units).float().contiguous(), M_before.float().contiguous(), m[
-        :, -1]
+    return (c - units).float(), (m
+                                 - units).float().contiguous(), M_before.float().contiguous(), m[:,
+                                                                                                 -1]
 
 class CausalLinearAttention(torch.autograd.Function):
     """apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32) -> y, or
@@ -519,8 +517,7 @@ class CausalLinearAttention(torch.autograd.Function):
     def forward(ctx, phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32):
         (B, H, T, F), D = phi_q.shape, v.shape[-1]
         dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)   # -> the operands' dtype: see Precision
-        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else functools.reduce(
-            torch.promote_types, dtypes)
+        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else functools.reduce(torch.promote_types, dtypes)
         cfg = _cfg(dtype, torch.backends.cuda.matmul.allow_tf32
                    if allow_tf32 is None else allow_tf32)
         q, k, vv = (x.to(dtype).reshape(B * H, T, -1).contiguous() for x in (phi_q, phi_k, v))
@@ -719,8 +716,8 @@ if HAS_TRITON:
                          D, mask_f, mask_d, 0)
             tl.store(M2 + row, m_h.to(M2.dtype.element_ty))
 
-def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, window=0, sinks=0,
-                skip=False, log=False, mix=False, theta=None, rate=None,
+def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, window=0,
+                sinks=0, skip=False, log=False, mix=False, theta=None, rate=None,
                 inv_freq=None, in_place=False):
     """One token of one layer's heads with a Hedgehog or LoLCATs map, in one launch of
     _decode_kernel (its reference: hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v
@@ -777,8 +774,8 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     if not triton_available(v):
         got = 'no triton' if not HAS_TRITON else v.device.type + ' tensors'
         raise RuntimeError(
-            f"the Triton kernel needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
-                           f"set before importing kernels), got {got}")
+            f"the Triton kernel needs triton and CUDA tensors (or TRITON_INTERPRET=1 set before "
+            f"importing kernels), got {got}")
     if phi_q.dim() != 4 or phi_q.shape != phi_k.shape or v.shape[:3] != phi_q.shape[:3]:
         raise ValueError(f"expected phi_q, phi_k (B, H, T, F), v (B, H, T, D); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
@@ -794,9 +791,8 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     c = phi_q.new_zeros(phi_q.shape[:3]) if c_k is None else c_k
     c, m, MB, m_end = _rebased(c, m0, phi_q.shape[2], chunk_size)
     with _on_device(v):
-        out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c, m, MB,
-                                          eps, bool(return_state),
-                                          int(chunk_size), allow_tf32)
+        out = CausalLinearAttention.apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps,
+                                          bool(return_state), int(chunk_size), allow_tf32)
     if not return_state:
         return out
     return out[0], (*out[1:], m_end.view(phi_q.shape[:2])) if shifted else out[1:]
@@ -808,11 +804,10 @@ def _benchmark(B, H, Ts, F, D, dt):
     import importlib.util
     fla = importlib.util.find_spec('fla') and importlib.import_module('fla.ops.linear_attn')
     fla = fla and fla.chunk_linear_attn
-    print(f'B={B} H={H} F={F} D={D} {dt}: median ms (triton.testing.do_bench), fwd / fwd+bwd' +
-          (
-              '; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) '
-              'layout made untimed'
-           if fla else ' (pip install flash-linear-attention adds its chunk_linear_attn)'))
+    print(f'B={B} H={H} F={F} D={D} {dt}: median ms (triton.testing.do_bench), fwd / fwd+bwd' + (
+        '; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) layout '
+        'made untimed' if fla else ' (pip install flash-linear-attention adds its '
+                                   'chunk_linear_attn)'))
     print(f'{"T":>6} {"kernel":>16} {"reference":>16} {"sdpa":>16}'
           + f' {"fla":>16} {"kernel vs fla":>13}' * bool(fla))
     for T in Ts:

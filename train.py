@@ -278,8 +278,7 @@ def get_tokenizer(name='', model=None, verbose=True):
     """A run's tokenizer: `name` ('bytes', 'gpt2', a HF folder or .gguf file) if given, else
     `model`'s own (tokenizer.resolve: checked to fit it), else bytes -- from scratch, one command,
     one model on every machine."""
-    tok = tokenizer_lib.load_tokenizer(name or 'bytes') if model is None else tokenizer_lib.resolve(
-        model, name or None)
+    tok = tokenizer_lib.load_tokenizer(name or 'bytes') if model is None else tokenizer_lib.resolve(model, name or None)
     if verbose:
         print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}")
     return tok
@@ -309,10 +308,9 @@ def load_text(path_or_name, split='train'):
         import datasets
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:
-        raise UsageError(
-            f"{path_or_name!r} is not a local file or folder, and datasets.load_dataset failed "
-                         f"({type(e).__name__}: {str(e)[:200]}); offline, pass a local text file "
-                         "or folder") from None
+        raise UsageError(f"{path_or_name!r} is not a local file or folder, and "
+                         f"datasets.load_dataset failed ({type(e).__name__}: {str(e)[:200]}); "
+                         "offline, pass a local text file or folder") from None
     return '\n'.join(ds['text' if 'text' in ds.column_names else ds.column_names[0]])
 
 def text_splits(cfg, tok):
@@ -322,8 +320,8 @@ def text_splits(cfg, tok):
         return tok.encode_array(load_text(cfg.data)), tok.encode_array(
             load_text(cfg.val_data, 'validation'))
     if not os.path.exists(cfg.data):
-        return tuple(tok.encode_array(load_text(cfg.data, split)) for split in (
-            'train', 'validation'))
+        return tuple(tok.encode_array(load_text(cfg.data, split))
+                     for split in ('train', 'validation'))
     ids = tok.encode_array(load_text(cfg.data))
     n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 2)
     if len(ids) - n_val < cfg.seq_len + 2:
@@ -430,8 +428,7 @@ def passkey_prompts(tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0
         at = text.index(needle)
         keys = [(at + j, at + j + 5) for j in (needle.index(str(key)), needle.rindex(str(key)))]
         rows.append(dict(input=text, target=str(key), length=length, depth=depth,
-                         tokens=len(tok.encode(text)),
-                         keys=keys))
+                         tokens=len(tok.encode(text)), keys=keys))
     return rows
 
 def token_span(tok, text, a, b):
@@ -500,12 +497,10 @@ def load_glue(task, path, split='train'):
     task = glue_task_name(task)
     if split not in GLUE_FILES or not path:
         raise UsageError(f"unknown split {split!r}; use train or validation" if path
-                         else "--data is empty: give "
-                         "a folder of GLUE TSV/CSV/JSONL files")
-    fn = path if os.path.isfile(path) else next((fn for stem in GLUE_FILES[split] for ext in (
-        'tsv', 'csv', 'jsonl')
-                                                 for fn in glob.glob(os.path.join(
-                                                     path, f"{stem}.{ext}"))), None)
+                         else "--data is empty: give a folder of GLUE TSV/CSV/JSONL files")
+    fn = path if os.path.isfile(path) else next(
+        (fn for stem in GLUE_FILES[split] for ext in ('tsv', 'csv', 'jsonl') for fn in glob.glob(
+            os.path.join(path, f"{stem}.{ext}"))), None)
     if fn is None:
         raise UsageError(
             f"no {split} file in {path!r}: expected {'|'.join(GLUE_FILES[split])}.tsv|csv|jsonl")
@@ -572,8 +567,10 @@ def collate_glue(encoded, labels):
     idx, tt, mask = torch.zeros(3, len(encoded),
                                 max(len(ids) for ids, _ in encoded), dtype=torch.long)
     for i, (ids, types) in enumerate(encoded):
-        idx[i, :len(ids)], tt[i, :len(types)], mask[i, :len(ids)] = torch.tensor(
-            ids), torch.tensor(types), 1
+        idx[i,
+            :len(ids)], tt[i,
+                           :len(types)], mask[i,
+                                              :len(ids)] = torch.tensor(ids), torch.tensor(types), 1
     return idx, mask, tt, torch.tensor(labels, dtype=torch.float32
                                        if isinstance(labels[0], float) else torch.long)
 
@@ -721,8 +718,8 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
                                                                                # micro-step)
         with contextlib.nullcontext() if sync else net.no_sync():
             with rt.autocast:
-                loss = loss_fn(net, tuple(t.to(rt.device) for t in batch)) / (
-                    cfg.grad_accum // rt.world)
+                loss = loss_fn(net, tuple(t.to(rt.device)
+                                          for t in batch)) / (cfg.grad_accum // rt.world)
             scaler.scale(loss).backward()
         total += loss.detach()
     if rt.ddp:
@@ -735,16 +732,13 @@ class NonFiniteLoss(RuntimeError):
                                                              # True or None
         kept = f"the last good checkpoint{'' if saved is True else ' ' + saved} was kept" if saved else \
             "no checkpoint was written"
-        super().__init__(
-            f"non-finite {what} ({value}) at step {step}; stopped, {kept}. Try a lower --lr (now "
-                         f"{cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a numerically stable "
-                         "feature map "
-                         "(hedgehog with its softmax over the feature dim, lolcats; --attn softmax "
-                         "checks the setup).")
+        super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. Try a "
+                         f"lower --lr (now {cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a "
+                         "numerically stable feature map " "(hedgehog with its softmax over the "
+                         "feature dim, lolcats; --attn softmax checks the setup).")
 
-def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None,
-        save=None, resume=None,
-        log_name='log.jsonl'):
+def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None, save=None,
+        resume=None, log_name='log.jsonl'):
     """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of
     convert.py's stages. module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made
     here (none if FSDP shards it). params_or_optimizer: an optimizer (lr set each step), or
@@ -761,8 +755,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
       raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
-    net = module if not rt.ddp or isinstance(
-        module, FSDPModule) else nn.parallel.DistributedDataParallel(module)
+    net = module if not rt.ddp or isinstance(module, FSDPModule) else nn.parallel.DistributedDataParallel(module)
     os.makedirs(cfg.out_dir, exist_ok=True)
     t0, cpu0, clock, est, saved = time.time(), time.process_time(), (time.time(),
                                                                      step), {}, resume is not None
@@ -790,10 +783,10 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
                     dt = (time.time() - clock[0]) / max(step - clock[1], 1)     # clock: (time,
                                                                                 # step) of the last
                                                                                 # one
-                    print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
-                          f"{_rate(tokens / max(dt, 1e-9))} tok/s | eta "
-                          f"{_fmt_time(dt * (cfg.max_iters - step))}",
-                          flush=True)
+                    print(
+                        f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
+                        f"{_rate(tokens / max(dt, 1e-9))} tok/s | eta "
+                        f"{_fmt_time(dt * (cfg.max_iters - step))}", flush=True)
                     clock = time.time(), step
             if rt.master and (cfg.eval_interval and step % cfg.eval_interval == 0
                               or step == cfg.max_iters):
@@ -807,11 +800,9 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
                     print(f"eval step {step}: "
                           + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
                 if save:   # the state that `resume` continues from exactly (_start)
-                    cuda_rng = torch.cuda.get_rng_state(
-                        rt.device) if rt.device.startswith('cuda') else None
-                    saved = save(dict(optimizer=opt.state_dict(),
-                                      scaler=scaler.state_dict(), iter_num=step,
-                                      cuda_rng=cuda_rng, data_rng=gen.get_state(),
+                    cuda_rng = torch.cuda.get_rng_state(rt.device) if rt.device.startswith('cuda') else None
+                    saved = save(dict(optimizer=opt.state_dict(), scaler=scaler.state_dict(),
+                                      iter_num=step, cuda_rng=cuda_rng, data_rng=gen.get_state(),
                                       torch_rng=torch.get_rng_state()))
     return {'iters': step, 'train_time_s': round(time.time() - t0, 2),
             'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
@@ -826,22 +817,22 @@ class Task:
         self.cfg, self.tokenizer, self.num_labels = cfg, tok and tok.name, 0
         if cfg.task == 'text':
             self.splits = dict(zip(('train', 'val'), text_splits(cfg, tok)))
-            self.vocab_size = tok.vocab_size if tok.vocab_size < 1000 else (
-                tok.vocab_size + 63) // 64 * 64
+            self.vocab_size = tok.vocab_size if tok.vocab_size < 1000 else (tok.vocab_size
+                                                                            + 63) // 64 * 64
         elif cfg.task == 'glue':
-            enc, load = GlueEncoder(tok, cfg.seq_len, verbose), lambda s: load_glue(
-                cfg.glue_task, cfg.data, s)
+            enc, load = GlueEncoder(tok, cfg.seq_len,
+                                    verbose), lambda s: load_glue(cfg.glue_task, cfg.data, s)
             self.splits = {k: collate_glue(*zip(*[(enc.encode(a, b), label)
-                                                  for a, b, label in load(s)]))
-                           for k, s in (('train', 'train'), ('val', 'validation'))}
+                                                  for a, b, label in load(s)])) for k, s in (
+                                                      ('train', 'train'), ('val', 'validation'))}
             self.num_labels, self.vocab_size = glue_num_labels(cfg.glue_task), tok.vocab_size
         else:
             # test: the final queries only
             nq, args = 8 if cfg.task == 'mqar' else 1, (cfg.seq_len, cfg.ar_vocab)
-            self.splits = {'train': make_associative_recall(cfg.n_train, *args, cfg.seed, nq,
-                                                            label_repeats=True),
-                           'val': make_associative_recall(N_TEST, *args,
-                                                          cfg.seed + TEST_SEED_OFFSET, nq)}
+            self.splits = {'train': make_associative_recall(
+                cfg.n_train, *args, cfg.seed,
+                nq, label_repeats=True), 'val': make_associative_recall(N_TEST, *args, cfg.seed
+                                                                        + TEST_SEED_OFFSET, nq)}
             self.vocab_size = cfg.ar_vocab
         self.size = {k: len(d) - cfg.seq_len - 1 if cfg.task == 'text' else len(d[0])
                      for k, d in self.splits.items()}
@@ -976,9 +967,8 @@ def train(cfg, explicit=frozenset()):
         if rt.master:
             print(
                 f"model: {c.family}, {c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, "
-                f"attention {c.attn} "
-                  f"{model.get_num_params() / 1e6:.3f}M parameters; device {rt.device}, "
-                  f"dtype {rt.dtype}" + (f", DDP x{rt.world}" if rt.ddp else ''))
+                f"attention {c.attn} {model.get_num_params() / 1e6:.3f}M parameters; device "
+                f"{rt.device}, dtype {rt.dtype}" + (f", DDP x{rt.world}" if rt.ddp else ''))
         opt = model.configure_optimizers(cfg.weight_decay, cfg.lr, BETAS, rt.device.split(':')[0])
         if head is not None:
             opt.add_param_group({'params': [head.weight], 'weight_decay': cfg.weight_decay})
@@ -997,20 +987,17 @@ def train(cfg, explicit=frozenset()):
             return None
         metrics = {**{f"last_eval_{k}": v for k, v in run.pop('last_eval').items()},
                    **final_metrics(module, model, task, rt)}
-        summary = {'config': asdict(cfg), 'model_config': asdict(c),
-                   'metrics': metrics, **run, 'n_params':
-                   model.get_num_params(), 'tokenizer': task.tokenizer,
-                   'device': rt.device, 'dtype': rt.dtype,
-                   'world_size': rt.world, 'torch': torch.__version__}
+        summary = {'config': asdict(cfg), 'model_config': asdict(c), 'metrics': metrics, **run,
+                   'n_params': model.get_num_params(), 'tokenizer': task.tokenizer,
+                   'device': rt.device, 'dtype': rt.dtype, 'world_size': rt.world,
+                   'torch': torch.__version__}
         with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
             json.dump(summary, f, indent=2)
         os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'),
                    os.path.join(cfg.out_dir, 'summary.json'))
         print("final: " + ', '.join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in metrics.items()
-                                    if not k.startswith(
-                                        'last_eval')) + f" ({_fmt_time(run['train_time_s'])} "
-                                                        "training)")
+                                    if not k.startswith('last_eval')) + f" ({_fmt_time(run['train_time_s'])} training)")
         return summary
     finally:
         if rt.ddp and dist.is_initialized():
@@ -1031,8 +1018,7 @@ def compare(cfg, explicit=frozenset()):
     metric = {'ar': 'test_acc', 'mqar': 'test_acc', 'text': 'val_ppl', 'glue': 'dev_main'}[cfg.task]
     lines = [
         f"| map | {metric} | mean attention entropy (all rows) | at query rows | final train loss "
-        "| "
-             "train time | CPU time |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        "| " "train time | CPU time |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for spec, s in rows:
         m = s['metrics']
         ent = ' | '.join('' if m.get(k) is None else f"{m[k]:.3f}" for k in ('attn_entropy',
