@@ -94,8 +94,10 @@ class FeatureMap(nn.Module):
 
     def __init__(self, head_dim, n_heads):
         super().__init__()
-        self.head_dim, self.n_heads = head_dim, n_heads
-        self.feature_dim, self.shift = head_dim, True
+        self.head_dim = head_dim
+        self.n_heads = n_heads
+        self.feature_dim = head_dim
+        self.shift = True
 
     def forward(self, q, k, offset=0):
         phi_q, phi_k, _, c_k = self.features(q, k, offset)
@@ -106,7 +108,8 @@ class FeatureMap(nn.Module):
         float32 (float64 inputs: float64) also under autocast; c = 0 for maps not exp-based."""
         check_qk(q, k, self.head_dim, self.n_heads)
         with torch.autocast(q.device.type, enabled=False):
-            q, k = acc(q), acc(k)
+            q = acc(q)
+            k = acc(k)
             if not self.log_domain:
                 phi_q, phi_k = self._sides(self.phi, q, k, offset)
                 return phi_q, phi_k, *(x.new_zeros(x.shape[:-1]) for x in (phi_q, phi_k))   # c: 0
@@ -184,8 +187,10 @@ class PerformerFeatureMap(FeatureMap):
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None, stabilize: bool = True,
                  redraw_interval: int = 0, seed: int | None = None):
         super().__init__(head_dim, n_heads)
-        self.feature_dim, self.shift = feature_dim or 2 * head_dim, bool(stabilize)
-        self.redraw_interval, self.calls = redraw_interval, 0
+        self.feature_dim = feature_dim or 2 * head_dim
+        self.shift = bool(stabilize)
+        self.redraw_interval = redraw_interval
+        self.calls = 0
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         omega = _orthogonal_gaussian(n_heads, self.feature_dim, head_dim, self.generator)
         self.register_buffer('omega', omega)                                     # (H, M, D)
@@ -209,7 +214,8 @@ class CosformerFeatureMap(FeatureMap):
 
     def __init__(self, head_dim, n_heads, max_len: int = 2048):
         super().__init__(head_dim, n_heads)
-        self.feature_dim, self.max_len = 2 * head_dim, max_len
+        self.feature_dim = 2 * head_dim
+        self.max_len = max_len
 
     def phi(self, x, which, offset):
         T = x.shape[-2]
@@ -259,7 +265,8 @@ class HedgehogFeatureMap(FeatureMap):
     def _mlp(self, feature_dim, activation, init):
         """Per-head Linear(D, width), weight init(width, D); F: width, doubled for [f(u), f(-u)]."""
         pm = activation in ('softmax', 'exp')
-        self.activation, self.log_domain = activation, activation == 'exp'
+        self.activation = activation
+        self.log_domain = activation == 'exp'
         self.feature_dim = feature_dim or (2 if pm else 1) * self.head_dim
         if pm and self.feature_dim % 2:
             raise UsageError(f"{activation} features [f(u), f(-u)] need an even feature_dim, got "
@@ -337,7 +344,9 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
     h_sm = s2_grid.new_tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()])
-    xs, h_lln = [0.0], [math.log(n_tokens)]  # s~^2 = 0: uniform weights
+    # s~^2 = 0: uniform weights
+    xs = [0.0]
+    h_lln = [math.log(n_tokens)]
     while h_lln[-1] > h_sm[-1].item() and xs[-1] < 1000:
         xs.append(xs[-1] + step)
         h_lln.append(entropy(_lln_log_weights(q, k, xs[-1])))
@@ -382,7 +391,8 @@ class LLNFeatureMap(FeatureMap):
     def __init__(self, head_dim, n_heads, momentum: float = 0.1, match: str = 'paper'):
         super().__init__(head_dim, n_heads)
         _choose('LLN match', match, LLN_MATCH)
-        self.momentum, self.match = momentum, match
+        self.momentum = momentum
+        self.match = match
         self.register_buffer('sigma2_q', torch.ones(n_heads))
         self.register_buffer('sigma2_k', torch.ones(n_heads))
 
@@ -395,7 +405,8 @@ class LLNFeatureMap(FeatureMap):
             sigma2.lerp_(per_head.var(1, unbiased=False).to(sigma2.dtype), weight)
 
     def alpha_beta(self):
-        s2_q, s2_k = self.sigma2_q.double(), self.sigma2_k.double()
+        s2_q = self.sigma2_q.double()
+        s2_k = self.sigma2_k.double()
         return lln_alpha_beta(s2_q, s2_k, self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
@@ -426,7 +437,8 @@ class DoFFeatureMap(FeatureMap):
         self.log_a = nn.Parameter(torch.zeros(n_heads, self.feature_dim))
 
     def log_phi(self, x, which, offset):
-        D, M = self.head_dim, self.feature_dim
+        D = self.head_dim
+        M = self.feature_dim
         norm2 = (x * x).sum(-1, keepdim=True)
         u = _per_head_linear(x, self.z) * D ** -0.25 - norm2 / (2 * math.sqrt(D))
         return u + 0.5 * self.log_a.to(x.dtype)[:, None, :] - 0.5 * math.log(M)
@@ -522,14 +534,16 @@ class AttnSpec:
             yield "exact takes KV head indices joined by +, e.g. exact=0+2"
         unknown = [key for key, _ in self.options if key not in known]
         if unknown:
-            yield f"unknown option(s) {', '.join(unknown)}; {self.name}'s options: {', '.join(known) or 'none'}"
+            yield (f"unknown option(s) {', '.join(unknown)}; "
+                   f"{self.name}'s options: {', '.join(known) or 'none'}")
 
     @classmethod
     def parse(cls, s):
         if isinstance(s, cls):
             return s
         name, *items = str(s).split(':')
-        settings, options = {}, {}
+        settings = {}
+        options = {}
         for item in items:
             key, eq, value = item.partition('=')
             key = OPTION_ALIASES.get(key, key)
@@ -569,7 +583,8 @@ def _start(initial_state, B, H, F, D, like):
     zeros with no key seen (m = NO_KEY); m keeps its dtype (float64 under a decay)."""
     if initial_state is None:
         return like.new_zeros(B, H, F, D + 1), like.new_full((B, H), NO_KEY)
-    S, z = initial_state[0], initial_state[1]
+    S = initial_state[0]
+    z = initial_state[1]
     m = initial_state[2] if len(initial_state) > 2 else like.new_zeros(B, H)
     return torch.cat([S, z[..., None]], -1).to(like.dtype), m
 
@@ -596,7 +611,8 @@ def _recurrent(q, k, v1, c, m, Sz0, m0):
         [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T
         out_t = phi_q_t [S | z]"""
     outs = []
-    Sz, m_prev = Sz0, m0
+    Sz = Sz0
+    m_prev = m0
     for t in range(q.shape[2]):
         k_t = k[:, :, t] * exp_as(c[..., t] - m[..., t], k)[..., None]            # (B, H, F)
         decay = exp_as(m_prev - m[..., t], k)[..., None, None]                    # (B, H, 1, 1)
@@ -609,18 +625,22 @@ def _chunked(q, k, v1, c, m, Sz0, m0, C):
     """Quadratic inside chunks of C tokens, the state carried from chunk to chunk: O(T F D / C)
     memory. The state before chunk j is in units of exp(-M_j-1), M_j = m at chunk j's last row."""
     B, H, T, _ = q.shape
-    n, pad = math.ceil(T / C), -T % C
+    n = math.ceil(T / C)
+    pad = -T % C
 
     def chunks(x):   # (B, H, T, E) -> (B, H, n, C, E), zero-padded
         return nnf.pad(x, (0, 0, 0, pad)).view(B, H, n, C, x.shape[-1])
-    qc, kc, vc = chunks(q), chunks(k), chunks(v1)
+    qc = chunks(q)
+    kc = chunks(k)
+    vc = chunks(v1)
     cc = nnf.pad(c, (0, pad), value=NO_KEY).view(B, H, n, C)                 # padding: no key
     mc = nnf.pad(m, (0, pad), 'replicate').view(B, H, n, C)
     A = (qc @ kc.transpose(-2, -1)) * exp_as((cc[..., None, :] - mc[..., None]).clamp(max=0), q)
     M_after = mc[..., -1]                                                     # (B, H, n)
     M_before = torch.cat([m0[..., None], M_after[..., :-1]], -1)              # (B, H, n)
     kv = scaled_keys(kc, cc, M_after).transpose(-2, -1) @ vc                  # (B, H, n, F, D + 1)
-    states, Sz = [], Sz0
+    states = []
+    Sz = Sz0
     for j in range(n):   # Sz: the state before chunk j, then after it
         states.append(Sz)
         Sz = Sz * exp_as(M_before[..., j] - M_after[..., j], q)[..., None, None] + kv[:, :, j]
@@ -637,7 +657,8 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
     (a running max, as online softmax: every factor exp(c_s - m_t) <= 1, so no key overflows, and a
     row that sees only small keys keeps them). Returns num, den, m (B, H, T) and the final state
     (S, z, m), float32; bidirectional rows all read the final state."""
-    q, k = acc(phi_q), acc(phi_k)
+    q = acc(phi_q)
+    k = acc(phi_k)
     v1 = nnf.pad(acc(v), (0, 1), value=1.0)                          # [v | 1] (B, H, T, D + 1)
     B, H, T, F = q.shape
     c = q.new_zeros(B, H, T) if c_k is None else acc(c_k)
@@ -663,10 +684,12 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     an initial_state. impl 'chunked' runs the Triton kernel on CUDA with triton installed, where it
     fits (causal, F <= 256, D <= 128), else PyTorch's chunked path; 'triton' insists."""
     _choose('impl', impl, IMPLS)
-    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
+    if phi_q.dim() != 4 or v.dim() != 4 or phi_k.shape != phi_q.shape \
+            or v.shape[:3] != phi_k.shape[:3]:
         raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
-    F, D = phi_q.shape[-1], v.shape[-1]
+    F = phi_q.shape[-1]
+    D = v.shape[-1]
     fits = causal and kernels.triton_available(v) and kernels.supports(F, D)   # the kernel fits
     if impl == 'triton' and not fits:
         raise UsageError(
@@ -714,7 +737,8 @@ def monotonicity(w, q, k, causal=True):
     rhos = []
     for i in range(2 if causal else 0, w.shape[-2]):
         rs, rw = (ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
-        rs, rw = rs - rs.mean(-1, keepdim=True), rw - rw.mean(-1, keepdim=True)
+        rs = rs - rs.mean(-1, keepdim=True)
+        rw = rw - rw.mean(-1, keepdim=True)
         norms = (rs.square().sum(-1) * rw.square().sum(-1)).sqrt()
         rhos.append((rs * rw).sum(-1) / (norms + 1e-30))
     vis = (causal_mask(T, T, w.device) | (not causal)).expand_as(w)   # the visible pairs

@@ -1,20 +1,27 @@
-"""Convert a pretrained softmax Transformer into a linear-attention one: the LoLCATs recipe
-(attention transfer, then LoRA), with Hedgehog's distillation loss and DoF's feature-dimension
+"""Convert a pretrained softmax Transformer into a linear-attention one (LoLCATs' recipe).
+
+Attention transfer, then LoRA, with Hedgehog's distillation loss and DoF's feature-dimension
 selection.
 
     python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
-    python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...   (README recipe)
+    python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...
+                                                        # (the README's recipe)
     python convert.py --report runs/a,runs/b            # the summary table of several conversions
-    torchrun --nproc_per_node N convert.py ... [--fsdp]  # N processes (DDP), or each block sharded over them (FSDP2)
+    torchrun --nproc_per_node N convert.py ... [--fsdp] # N processes (DDP), or each block
+                                                        # sharded over them (FSDP2)
 
 The pipeline (`run`):
-    teacher = model.load(init_from)         our ckpt.pt, a HF folder or hub name, or a .gguf file
-    select_feature_dims                     optional: per-layer feature dims from the degrees of freedom (DoF)
-    swap                                    new attention cores on --layers; q/k/v/o and everything else kept
-    core.calibrate (attention.py)           data-dependent init: LLN's moments, the 'mix' window share
-    transfer  (stage 1)                     only the cores train, each layer on its teacher's own q, k, v
-    finetune  (stage 2)                     LoRA on q/k/v/o (or every weight) with the task loss
-    model.save(out_dir/ckpt.pt, base=...)   only the new tensors; model.load(out_dir) rebuilds the rest
+    teacher = model.load(init_from)        our ckpt.pt, a HF folder or hub name, or a .gguf file
+    select_feature_dims                    optional: per-layer feature dims from the degrees of
+                                           freedom (DoF)
+    swap                                   new attention cores on --layers; q/k/v/o and
+                                           everything else kept
+    core.calibrate (attention.py)          data-dependent init: LLN's moments, the 'mix' share
+    transfer  (stage 1)                    only the cores train, each layer on its teacher's own
+                                           q, k, v
+    finetune  (stage 2)                    LoRA on q/k/v/o (or every weight) with the task loss
+    model.save(out_dir/ckpt.pt, base=...)  only the new tensors; model.load(out_dir) rebuilds the
+                                           rest
 After the swap and each stage, `evaluate` measures quality and attention fidelity (summary.json).
 Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss
 stop), in one process or under torchrun (each process its share of the --grad_accum micro-batches;
@@ -40,7 +47,9 @@ import model as M
 import train
 from train import num
 
-LORA_LR, FULL_LR = 1e-3, 3e-4   # stage-2 learning rates (LoRA, full finetune)
+# stage-2 learning rates (LoRA, full finetune)
+LORA_LR = 1e-3
+FULL_LR = 3e-4
 FIDELITY_BATCHES = 2            # attention fidelity is quadratic in T: the first 2 held-out
                                 # batches,
 FIDELITY_TOKENS = 1024          # their first 1024 tokens (causal: the same rows; at 4096 SmolLM2's
@@ -158,7 +167,8 @@ def parse_layers(spec, n_layer):
         m = re.fullmatch(r'\s*(-?\d+)(?:-(\d+))?\s*', part)
         if not m:
             raise UsageError(f"bad --layers entry {part!r}; use e.g. 'all', '0,2,5', '0-3' or '-1'")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        lo = int(m.group(1))
+        hi = int(m.group(2) or m.group(1))
         for i in range(lo, hi + 1):
             if not -n_layer <= i < n_layer:
                 raise UsageError(
@@ -214,7 +224,8 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
         raise ValueError(f'min_dim must be >= 1, got {min_dim}')
     if clip is not None and clip < min_dim:
         raise ValueError(f'clip {clip} is below min_dim {min_dim}')
-    total, w = max(int(round(budget * L)), min_dim * L), [d if d > 0 else 1e-12 for d in dofs]
+    total = max(int(round(budget * L)), min_dim * L)
+    w = [d if d > 0 else 1e-12 for d in dofs]
     floored: set[int] = set()
     while True:  # layers whose share is below min_dim get min_dim; the others share the rest
         free = [i for i in range(L) if i not in floored]
@@ -240,12 +251,14 @@ def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_G
     RoPE. unit: feature dims come in multiples of it (hedgehog's F is 2 x its MLP outputs: those are
     allocated); every layer gets at least 2. -> (dims {layer: int}, a table row per layer (with a
     clip: its 'unclipped' dim))."""
-    layers, g = sorted(layer_qk), torch.Generator().manual_seed(seed)
+    layers = sorted(layer_qk)
+    g = torch.Generator().manual_seed(seed)
     per_head = [head_dofs(*layer_qk[l], lam, n_samples, g) for l in layers]
     layer_dof = [max(d) for d in per_head]
     alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit, clip=c
                                                        and c // unit, min_dim=max(1, 2 // unit))]
-    dims, free = alloc(clip), alloc(None)
+    dims = alloc(clip)
+    free = alloc(None)
     table = [dict(layer=l, dof_heads=[round(x, 3) for x in h], dof_max=round(d, 3), feature_dim=fd,
                   **({'unclipped': u} if clip is not None else {}))
              for l, h, d, fd, u in zip(layers, per_head, layer_dof, dims, free)]
@@ -295,8 +308,10 @@ def _row_mean(x, mask):
 def transfer_loss(core, q, k, v, mask, weights):
     """The stage-1 loss of one student core: a weighted sum of
       ce  soft-label cross-entropy of the attention weights (Hedgehog Eq. 4; T x T),
-      mse squared error of the attention outputs (LoLCATs; through the core's own chunked path, never T x T),
-      l2  squared error of the unnormalised kernel phi(q).phi(k) against exp(q.k/sqrt d) (DoF; T x T)."""
+      mse squared error of the attention outputs (LoLCATs; through the core's own chunked path,
+          never T x T),
+      l2  squared error of the unnormalised kernel phi(q).phi(k) against exp(q.k/sqrt d)
+          (DoF; T x T)."""
     kw = {} if mask is None else {'key_padding_mask': mask}
     w_t, y_t = _teacher(core, q, k, v, mask, weights=bool(weights.get('ce')))
     loss = 0.0
@@ -308,11 +323,13 @@ def transfer_loss(core, q, k, v, mask, weights):
             (core(q, k, v, **kw) - y_t).square().mean(-1), mask)
     if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS), on the heads with a
                             # map
-        q, k = q[:, core.rest_q], k[:, core.rest_q]
+        q = q[:, core.rest_q]
+        k = k[:, core.rest_q]
         phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))   # the kernel,
                                                                               # unnormalised:
         # shifts undone
-        phi_q, phi_k = phi_q * torch.exp(c_q)[..., None], phi_k * torch.exp(c_k)[..., None]
+        phi_q = phi_q * torch.exp(c_q)[..., None]
+        phi_k = phi_k * torch.exp(c_k)[..., None]
         if mask is not None:
             phi_k = phi_k * mask[:, None, :, None]
         loss = loss + weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)
@@ -353,7 +370,9 @@ def evaluate(model, module, task, cfg, rt, layers):
         T = task.cfg.seq_len
         ids = task.splits['val'][:cfg.eval_batches * cfg.batch_size * T + 1]
         out['quality'] = train.perplexity(model, ids, T, T, rt.device, cfg.batch_size)
-    cores, kl, mse = model.attention_cores(), {l: 0.0 for l in layers}, {l: 0.0 for l in layers}
+    cores = model.attention_cores()
+    kl = {l: 0.0 for l in layers}
+    mse = {l: 0.0 for l in layers}
     batches = [task.batch('val', s) for s in task.eval_batches('val',
                                                                FIDELITY_BATCHES)] if layers else []
     for b in batches:
@@ -376,7 +395,8 @@ def teacher_qk(model, batches, layers, rt):
     """{layer: (q, k, mask)}: the teacher's queries and keys (N, H, T, D) on calibration batches,
     their sequences stacked (GLUE's sentences padded to the longest); mask (N, T): True at real
     tokens."""
-    recs, out = [_teacher_qkv(model, b, layers, rt.device) for b in batches], {}
+    recs = [_teacher_qkv(model, b, layers, rt.device) for b in batches]
+    out = {}
     T = max(r[l][0].shape[2] for r in recs for l in layers)
     # noqa: E731
     grow = lambda x, d: torch.cat([x, x.new_zeros(*x.shape[:d], T - x.shape[d],
@@ -402,7 +422,8 @@ def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
     prompts = train.passkey_prompts(tok, [min(length, cfg.block_size - 8)], depths=(50,),
                                     samples=samples, seed=seed, template='probe')
     for p in prompts:
-        text, n = p['input'] + ' ' + p['target'], len(tok.encode(p['input']))
+        text = p['input'] + ' ' + p['target']
+        n = len(tok.encode(p['input']))
         ids = tok.encode(text)[:-1]   # the rows n - 1 .. end predict the answer's tokens
         keys = sorted({t for a, b in p['keys'] for t in range(*train.token_span(tok, text, a, b))})
         with model.capture_qkv(teacher=True) as rec:
@@ -430,7 +451,9 @@ def exact_heads(scores, n, rank='probe', seed=0):
 def swap(model, cfg, layers, qk):
     """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k;
     with --exact_heads, the heads kept exact on each layer), calibrated on the teacher's q, k."""
-    spec, specs, out = cfg.spec, {l: cfg.spec for l in layers}, {}
+    spec = cfg.spec
+    specs = {l: cfg.spec for l in layers}
+    out = {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
         # (nope: RoPE undone)
@@ -504,14 +527,17 @@ def passkey_batch(tok, gen, block_size, batch_size):
     probe's, not the test's) of block_size / 4 to block_size tokens, the key at a random depth, then
     the answer; y is -100 (no loss) but at the answer's tokens. Right-padded, so each row's tokens
     see the same as alone (causal)."""
-    xs, ys, lo = [], [], block_size // 4
+    xs = []
+    ys = []
+    lo = block_size // 4
     hi = max(block_size - 7, lo + 1)   # room left for the answer: ' ' and the key's 5 digits
     for _ in range(batch_size):
         seed, depth, length = (int(torch.randint(a, b, (), generator=gen)) for a, b in (
             (0, 2**31), (0, 101), (lo, hi)))
         p = train.passkey_prompts(tok, [length], depths=(depth,), samples=1, seed=seed,
                                   template='train')[0]
-        n_prompt, ids = len(tok.encode(p['input'])), tok.encode(p['input'] + ' ' + p['target'])
+        n_prompt = len(tok.encode(p['input']))
+        ids = tok.encode(p['input'] + ' ' + p['target'])
         if len(ids) - 1 > block_size:
             raise UsageError(
                 f"--passkey_mix: a retrieval sample takes {len(ids) - 1} tokens, over --block_size")
@@ -571,7 +597,8 @@ def shard(model, cfg, rt):
 
 def check_fits(cfg, c, layers):
     """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
-    kv, side = len(layers) * c.n_kv_head, min(c.n_embd, c.n_kv_head * c.head_dim)
+    kv = len(layers) * c.n_kv_head
+    side = min(c.n_embd, c.n_kv_head * c.head_dim)
     for name, most, what in (
         ('block_size', c.block_size, f"the teacher's {c.block_size} positions"),
         ('exact_heads', kv - 1, f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
@@ -579,16 +606,9 @@ def check_fits(cfg, c, layers):
         if getattr(cfg, name) > most:
             raise UsageError(f"--{name} {getattr(cfg, name)} is more than {what}")
 
-def run(cfg):
-    """The whole conversion -> the summary (also out_dir/summary.json)."""
-    t_start, rt = time.time(), train.setup(cfg.device, 'float32', cfg.grad_accum)
-    if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
-        raise UsageError(
-            "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
-            "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
-    if not rt.master:   # under torchrun rank 0 prints
-        sys.stdout = open(os.devnull, 'w')
-    torch.manual_seed(cfg.seed)
+def load_teacher(cfg, rt):
+    """The teacher of cfg.init_from and the layers to convert, with the checks that need its
+    config -> (model, num_labels, layers)."""
     num_labels = train.glue_num_labels(cfg.glue_task) if cfg.task == 'glue' else 0
     model, _ = M.load(cfg.init_from, **({'num_labels': num_labels} if num_labels else {}))
     c = model.config
@@ -599,42 +619,64 @@ def run(cfg):
             "a BERT model has no next-token loss: use --task glue (or --stage2_iters 0)")
     layers = parse_layers(cfg.layers, c.n_layer)
     check_fits(cfg, c, layers)
+    return model, num_labels, layers
+
+def numbers(d):
+    """['name value'] for each float of a dict (None: [])."""
+    return [f"{k} {v:.4g}" for k, v in (d or {}).items() if isinstance(v, float)]
+
+def run(cfg):
+    """The whole conversion -> the summary (also out_dir/summary.json)."""
+    t_start = time.time()
+    rt = train.setup(cfg.device, 'float32', cfg.grad_accum)
+    if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
+        raise UsageError(
+            "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
+            "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
+    if not rt.master:   # under torchrun rank 0 prints
+        sys.stdout = open(os.devnull, 'w')
+    torch.manual_seed(cfg.seed)
+    model, num_labels, layers = load_teacher(cfg, rt)
+    c = model.config
     task = load_task(cfg, model)
     module = train.Classifier(model, num_labels) if cfg.task == 'glue' else model
     shard(model, cfg, rt) if cfg.fsdp else module.to(rt.device)
     calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i))
              for i in range(CALIB_BATCHES)]
-    print(
-        f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of "
-        f"{c.head_dim}) to {cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
-    summary = dict(config=asdict(cfg),
-                   attn=str(cfg.spec), family=c.family, layers=layers, loss_weights=cfg.weights,
-                   teacher=evaluate(model, module, task, cfg, rt, []).get('quality'), stages={})
-    if cfg.task == 'lm' and summary['teacher']:
+    print(f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of "
+          f"{c.head_dim}) to {cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
+    teacher = evaluate(model, module, task, cfg, rt, []).get('quality')
+    summary = dict(config=asdict(cfg), attn=str(cfg.spec), family=c.family, layers=layers,
+                   loss_weights=cfg.weights, teacher=teacher, stages={})
+    if cfg.task == 'lm' and teacher:
         summary['unigram'] = unigram_loss(task.splits['train'], task.splits['val'], c.vocab_size)
-    print("== teacher: " + ' | '.join(f"{k} {v:.4g}" for k, v in (summary['teacher'] or {}).items()
-                                      if isinstance(v, float)), flush=True)
+    print("== teacher: " + ' | '.join(numbers(teacher)), flush=True)
     if cfg.spec != A.AttnSpec():   # plain softmax: the control run, stage 2 on the teacher itself
         summary.update(swap(model, cfg, layers, teacher_qk(model, calib, layers, rt)))
-    for name, step in (('swap', None), ('stage1', lambda: transfer(model, task, cfg, rt, layers)),
-                       ('stage2', lambda: finetune(model, module, task, cfg, rt))):
-        fit = step() if step else {}
-        if fit is None:
+    stages = {'swap': lambda: {},
+              'stage1': lambda: transfer(model, task, cfg, rt, layers),
+              'stage2': lambda: finetune(model, module, task, cfg, rt)}
+    for name, step in stages.items():
+        fit = step()
+        if fit is None:   # a stage of 0 steps
             continue
         rec = summary['stages'][name] = dict(fit, **evaluate(model, module, task, cfg, rt, layers))
-        print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats ["
-              + ' '.join(f"L{l}={v:.3f}"
-                         for l, v in rec['kl_layers'].items()) + f"], output MSE "
-                                                                 f"{rec['mse_mean']:.4g}"
-              + ''.join(f" | {k} {v:.4g}" for k, v in (rec.get('quality') or {}).items()
-                        if isinstance(v, float)),
-              flush=True)
-    full = cfg.stage2_iters and not cfg.lora_rank
-    # or a hub name
+        kl = ' '.join(f"L{l}={v:.3f}" for l, v in rec['kl_layers'].items())
+        mse = f"output MSE {rec['mse_mean']:.4g}"
+        print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats [{kl}], "
+              + ' | '.join([mse] + numbers(rec.get('quality'))), flush=True)
+    return save_conversion(model, cfg, rt, summary, t_start)
+
+def save_conversion(model, cfg, rt, summary, t_start):
+    """out_dir/ckpt.pt (the new tensors, and the base it needs) and out_dir/summary.json, written
+    by rank 0 -> the summary (None on the other ranks)."""
+    full = cfg.stage2_iters and not cfg.lora_rank   # every weight trained: no base to keep
+    # a local base by its absolute path, else a hub name
     base = os.path.abspath(cfg.init_from) if os.path.exists(cfg.init_from) else cfg.init_from
-    tensors = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                   cpu_offload=True)) \
-        if cfg.fsdp else None   # (gathered on rank 0)
+    tensors = None
+    if cfg.fsdp:   # the whole state, gathered on rank 0
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        tensors = get_model_state_dict(model, options=options)
     summary['held'] = held(model, rt)
     if rt.ddp:
         dist.destroy_process_group()
@@ -643,19 +685,17 @@ def run(cfg):
     M.save(os.path.join(cfg.out_dir, 'ckpt.pt'), model, base=None if full else base,
            keep=('classifier.',), tensors=tensors)
     summary['seconds'] = round(time.time() - t_start, 1)
-    with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
-        json.dump(summary, f, indent=2, default=str)
-    os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'),
-               os.path.join(cfg.out_dir, 'summary.json'))
+    train.write_json(os.path.join(cfg.out_dir, 'summary.json'), summary)
     print(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)", flush=True)
     return summary
 
 def held(model, rt):
     """What each process holds, one entry per process: {'param_bytes' (under FSDP: its shards and
     the whole cores), 'peak_bytes' (CUDA's most allocated; None on the CPU)}."""
-    mine = dict(param_bytes=sum((p.to_local() if hasattr(p, 'to_local') else p).nbytes
-                                for p in model.parameters()),
-                peak_bytes=torch.cuda.max_memory_allocated(rt.device) if rt.device.startswith('cuda') else None)
+    local = [p.to_local() if hasattr(p, 'to_local') else p for p in model.parameters()]
+    cuda = rt.device.startswith('cuda')
+    mine = dict(param_bytes=sum(p.nbytes for p in local),
+                peak_bytes=torch.cuda.max_memory_allocated(rt.device) if cuda else None)
     out = [mine] * rt.world
     if rt.ddp:
         dist.all_gather_object(out, mine)
@@ -681,7 +721,8 @@ def report(dirs):
     for d in dirs:
         with open(os.path.join(d, 'summary.json')) as f:
             s = json.load(f)
-        t, u = s.get('teacher'), s.get('unigram')
+        t = s.get('teacher')
+        u = s.get('unigram')
         st = [s['stages'].get(n) or {} for n in ('swap', 'stage1', 'stage2')]
         quality = [t] + [x.get('quality') for x in st]   # ppl or the GLUE metric: teacher, swap,
                                                          # stage 1, stage 2

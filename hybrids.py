@@ -416,9 +416,8 @@ class Attention(nn.Module):
         if self.inv_freq.device != q.device:   # once per device, before any graph capture
             self.inv_freq = self.inv_freq.to(q.device)
         t = _positions(q, start)
-        # (2,1,1,T,D)
-        angle = (torch.stack([t, t - back])[..., None] * self.inv_freq).repeat(1,
-                                                                               1, 2)[:, None, None]
+        angle = torch.stack([t, t - back])[..., None] * self.inv_freq   # (2, T, D/2)
+        angle = angle.repeat(1, 1, 2)[:, None, None]                     # (2, 1, 1, T, D)
         return A.apply_rope(torch.stack([q, k]), angle.cos(), -angle.sin()).unbind(0)
 
     def _features(self, q, k, offset, key_padding_mask=None, pos=None, back=0):

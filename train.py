@@ -1,7 +1,6 @@
-"""Train a small GPT whose attention is softmax or a linear feature map (attention.py), nanoGPT
-style.
+"""Train a small GPT, nanoGPT style, whose attention is softmax or a linear feature map.
 
-    python train.py --attn hedgehog                  # associative recall (the default task, no download)
+    python train.py --attn hedgehog      # associative recall (the default task, no download)
     python train.py --attn lolcats:feature_dim=16:window=16:combine=mix   # options go in --attn
     python train.py --task text --data data/tinyshakespeare/input.txt
     python train.py --task glue --glue_task cola --data data/cola --init_from <HF BERT folder>
@@ -10,9 +9,11 @@ style.
 
 In reading order: `parse_config`, TrainConfig; data: associative recall (Hedgehog App. B.1,
 zoology's MQAR), text and `perplexity`, GLUE, attention entropy (Hedgehog Fig. 4); `fit`, the one
-loop (convert.py's too); `train`. Scratch models differ from nanoGPT's as measured (README): a 2-tap
-causal conv on the keys (--short_conv, H3 / Based), without which no linear map learned recall; N(0,
-1) embeddings, N(0, 0.08) weights, an untied head (--init wide).
+loop (convert.py's too); `train`.
+
+Scratch models differ from nanoGPT's as measured (README): a 2-tap causal conv on the keys
+(--short_conv, H3 / Based), without which no linear map learned recall; N(0, 1) embeddings,
+N(0, 0.08) weights, an untied head (--init wide).
 """
 import argparse
 import contextlib
@@ -63,11 +64,14 @@ GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 =
 def _comments(cls):
     """{field: its comment in cls's source, continued on comment-only lines aligned with it}: the
     flags' help."""
-    helps, last, col = {}, None, -1
+    helps = {}
+    last = None
+    col = -1
     for line in inspect.getsource(cls).splitlines():
         code, _, comment = line.partition('#')
         if ':' in code and '=' in code:
-            last, col = code.split(':')[0].strip(), len(code)
+            last = code.split(':')[0].strip()
+            col = len(code)
             helps[last] = comment.strip()
         elif last and not code.strip() and len(code) == col:
             helps[last] += ' ' + comment.strip()
@@ -83,14 +87,16 @@ def parse_config(cls, argv=None, doc=None):
     from __post_init__ (checks across fields), an --out_dir in a file's place: one line, exit status
     2."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    helps, types = _comments(cls), get_type_hints(cls)
+    helps = _comments(cls)
+    types = get_type_hints(cls)
     fmt = type('Help', (argparse.ArgumentDefaultsHelpFormatter,
                         argparse.RawDescriptionHelpFormatter), {})
     p = argparse.ArgumentParser(description=doc, formatter_class=fmt, allow_abbrev=False)
     p.error = lambda msg: p.exit(2, f"{p.prog}: error: {msg}\n")   # one line, without argparse's
                                                                    # usage block
     for f in fields(cls):
-        t, h = types[f.name], (helps.get(f.name) or f.name).replace('%', '%%')
+        t = types[f.name]
+        h = (helps.get(f.name) or f.name).replace('%', '%%')
         if t is bool:
             p.add_argument('--' + f.name, action='store_true', default=f.default,
                            help=f"{h}; --no_{f.name}: off")
@@ -250,8 +256,10 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     n_queries."""
     if vocab < 4 or vocab % 2:
         raise UsageError(f"vocab must be even and >= 4, got {vocab}")
-    ctx_len, nk = seq_len - n_queries, vocab // 2
-    n_pairs, g = ctx_len // 2, torch.Generator().manual_seed(int(seed))
+    ctx_len = seq_len - n_queries
+    nk = vocab // 2
+    n_pairs = ctx_len // 2
+    g = torch.Generator().manual_seed(int(seed))
     if n_queries < 1 or n_pairs < 1:
         raise UsageError(
             f"seq_len={seq_len} leaves no room for key-value pairs and {n_queries} queries")
@@ -266,7 +274,8 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
     y = torch.full_like(x, -100)
     y[:, ctx_len:] = torch.gather(kv_map, 1, queries)
     if label_repeats:
-        seen, rows = torch.zeros(n, nk, dtype=torch.bool), torch.arange(n)
+        seen = torch.zeros(n, nk, dtype=torch.bool)
+        rows = torch.arange(n)
         for i in range(n_pairs):   # the key at pair i was seen (with its value) in an earlier pair
             rep = seen[rows, keys[:, i]]
             y[rep, 2 * i] = vals[rep, i]
@@ -278,7 +287,10 @@ def get_tokenizer(name='', model=None, verbose=True):
     """A run's tokenizer: `name` ('bytes', 'gpt2', a HF folder or .gguf file) if given, else
     `model`'s own (tokenizer.resolve: checked to fit it), else bytes -- from scratch, one command,
     one model on every machine."""
-    tok = tokenizer_lib.load_tokenizer(name or 'bytes') if model is None else tokenizer_lib.resolve(model, name or None)
+    if model is None:
+        tok = tokenizer_lib.load_tokenizer(name or 'bytes')
+    else:
+        tok = tokenizer_lib.resolve(model, name or None)
     if verbose:
         print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}")
     return tok
@@ -360,7 +372,10 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
     windows = ppl_windows(ids.numel(), context, stride)
     if not windows:
         raise UsageError('need at least 2 tokens of text for perplexity')
-    total_nll, total, t0, n_all = 0.0, 0, time.time(), sum(n for _, _, n in windows)
+    total_nll = 0.0
+    total = 0
+    t0 = time.time()
+    n_all = sum(n for _, _, n in windows)
     # windows of one length
     runs = [list(g) for _, g in itertools.groupby(windows, key=lambda w: w[1] - w[0])]
     for group in (run[i:i + batch_size] for run in runs for i in range(0, len(run), batch_size)):
@@ -370,7 +385,8 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
             y[r, :x.size(1) - n] = -100
         _, loss = model(x.to(device), targets=y.to(device))
         count = sum(n for _, _, n in group)
-        total_nll, total = total_nll + float(loss) * count, total + count
+        total_nll = total_nll + float(loss) * count
+        total = total + count
         progress('perplexity', total, total - count, n_all, t0)
     nll = total_nll / total
     return {'nll': nll, 'ppl': math.exp(nll), 'tokens_scored': total, 'windows': len(windows),
@@ -412,7 +428,8 @@ def passkey_prompts(tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0
     question (with none, SmolLM2 answered 'a key that is used to ...' in 5 of 18 prompts at 512-2K
     tokens). template: a PASSKEY_TEMPLATES name. Rows: input, target (the key), length, depth,
     tokens, keys (the key's two character spans in input)."""
-    rng, rows = random.Random(seed), []
+    rng = random.Random(seed)
+    rows = []
     intro, filler, needle_text, question = PASSKEY_TEMPLATES[template]
     per_filler = len(tok.encode(filler))
     for length, depth, i in itertools.product(lengths, depths, range(samples)):
@@ -477,9 +494,13 @@ def _glue_example(row, task, where):
     elif not any(c.strip() for c in row):
         return None
     elif task == 'cola' and len(row) == 4:
-        a, b, label = row[3], None, row[1]
+        a = row[3]
+        b = None
+        label = row[1]
     elif len(row) >= 2 + bool(b_cols):
-        a, b, label = row[-2 - bool(b_cols)], row[-2] if b_cols else None, row[-1]
+        a = row[-2 - bool(b_cols)]
+        b = row[-2] if b_cols else None
+        label = row[-1]
     else:
         raise UsageError(
             f"{where}: cannot read {len(row)} columns as a {task} row without a header")
@@ -516,7 +537,8 @@ def load_glue(task, path, split='train'):
     return [ex for ex in (_glue_example(r, task, fn) for r in rows) if ex]
 
 def pearson(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
     # 0 for a constant
     return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else 0.0
 
@@ -526,7 +548,10 @@ def matthews_corrcoef(labels, preds):
     classes = np.union1d(labels, preds)
     C = np.zeros((len(classes), len(classes)))
     np.add.at(C, (np.searchsorted(classes, labels), np.searchsorted(classes, preds)), 1)
-    t, p, c, s = C.sum(1), C.sum(0), np.trace(C), C.sum()
+    t = C.sum(1)
+    p = C.sum(0)
+    c = np.trace(C)
+    s = C.sum()
     den = math.sqrt((s * s - (p * p).sum()) * (s * s - (t * t).sum()))
     return float((c * s - (t * p).sum()) / den) if den > 0 else 0.0
 
@@ -537,10 +562,12 @@ def glue_metric(task, preds, labels):
         r = pearson(preds, labels)
         rho = pearson(*(attention.ranks(torch.as_tensor(x)).numpy() for x in (preds, labels)))
         return {'pearson': r, 'spearman': rho, 'main': r}
-    preds, labels = np.asarray(preds), np.asarray(labels)
+    preds = np.asarray(preds)
+    labels = np.asarray(labels)
     out = {'accuracy': float((preds == labels).mean()) if len(labels) else 0.0}
     if task in ('mrpc', 'qqp'):
-        tp, n = ((preds == 1) & (labels == 1)).sum(), (preds == 1).sum() + (labels == 1).sum()
+        tp = ((preds == 1) & (labels == 1)).sum()
+        n = (preds == 1).sum() + (labels == 1).sum()
         out['f1'] = float(2 * tp / n) if n else 0.0
     if task == 'cola':
         out['mcc'] = matthews_corrcoef(labels, preds)
@@ -554,7 +581,8 @@ class GlueEncoder:
     def __init__(self, tok, seq_len, verbose=True):
         self.tok = get_tokenizer('' if tok == 'scratch' else tok,
                                  verbose=False) if isinstance(tok, str) else tok
-        self.seq_len, self.name = seq_len, self.tok.name
+        self.seq_len = seq_len
+        self.name = self.tok.name
         if verbose:
             print(f"glue tokenizer: {self.name}, vocab {self.tok.vocab_size}")
 
@@ -581,7 +609,8 @@ class Classifier(nn.Module):
 
     def __init__(self, model, num_labels):
         super().__init__()
-        self.model, self.num_labels = model, num_labels
+        self.model = model
+        self.num_labels = num_labels
         self.head = None if isinstance(model, M.Bert) else nn.Linear(
             model.config.n_embd, num_labels)
         if self.head is not None:
@@ -606,7 +635,9 @@ class Classifier(nn.Module):
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
     """Mean row entropy (nats) of the attention matrices core.weights(q, k) of every layer and head
     on inputs x (Hedgehog Fig. 4). -> (the mean over all rows, over the rows in query_positions)."""
-    ents, ents_q, cores = [], [], model.attention_cores()
+    ents = []
+    ents_q = []
+    cores = model.attention_cores()
     for i in range(0, len(x), batch_size):
         with model.capture_qkv() as rec:
             model(x[i:i + batch_size])
@@ -619,7 +650,9 @@ def mean_attention_entropy(model, x, query_positions, batch_size=64):
 # ---- the training loop -------------------------------------------------------
 def _fmt_time(s):
     s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 def _rate(x):   # 67.2k, or 41.0 when below a thousand (a 1024-token step every 25 s is not 0.0k)
     return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.1f}"
@@ -696,6 +729,13 @@ def _start(params_or_optimizer, cfg, rt, resume):
                                                               # like)
     return opt, scaler, gen, step
 
+def write_json(path, obj):
+    """obj as indented JSON at path, atomically (a .tmp file, then os.replace); what JSON cannot
+    hold as its str."""
+    with open(path + '.tmp', 'w') as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(path + '.tmp', path)
+
 def _open_log(path, step):
     """out_dir/log.jsonl with the rows before `step` (those of the run resumed), open to append."""
     with open(path + '.tmp', 'w') as f, open(path, 'a+') as old:
@@ -708,7 +748,8 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
     """The gradients of one step: cfg.grad_accum micro-batches of the global stream, which every
     process draws, taking micro-batch j when j % world == rank; gradients sync on its last one. ->
     (mean loss, tokens)."""
-    total, tokens = torch.zeros((), device=rt.device), 0
+    total = torch.zeros((), device=rt.device)
+    tokens = 0
     for j in range(cfg.grad_accum):
         batch = next_batch(gen)
         tokens += batch[0].numel()
@@ -728,39 +769,75 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
     return total.item(), tokens
 
 class NonFiniteLoss(RuntimeError):
-    def __init__(self, what, value, step, saved, cfg, rt):   # saved: the last checkpoint's path,
-                                                             # True or None
-        kept = f"the last good checkpoint{'' if saved is True else ' ' + saved} was kept" if saved else \
-            "no checkpoint was written"
+    def __init__(self, what, value, step, saved, cfg, rt):
+        # saved: the last checkpoint's path, True (one was loaded to resume) or None
+        if saved:
+            where = '' if saved is True else ' ' + saved
+            kept = f"the last good checkpoint{where} was kept"
+        else:
+            kept = "no checkpoint was written"
         super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. Try a "
                          f"lower --lr (now {cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a "
-                         "numerically stable feature map " "(hedgehog with its softmax over the "
+                         "numerically stable feature map (hedgehog with its softmax over the "
                          "feature dim, lolcats; --attn softmax checks the setup).")
+
+def _progress(step, loss, lr, tokens, clock, cfg):
+    """Ten progress lines a run, `step s/N | loss | lr | tok/s | eta`. clock: (time, step) of the
+    last line -> the clock after this step."""
+    if step % max(1, cfg.max_iters // 10) and step != cfg.max_iters:
+        return clock
+    dt = (time.time() - clock[0]) / max(step - clock[1], 1)   # seconds a step since the last line
+    eta = _fmt_time(dt * (cfg.max_iters - step))
+    print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
+          f"{_rate(tokens / max(dt, 1e-9))} tok/s | eta {eta}", flush=True)
+    return time.time(), step
+
+def _evaluate(module, evaluate, step, saved, cfg, rt):
+    """evaluate() in eval mode -> {name: float}, printed; a non-finite one raises NonFiniteLoss."""
+    module.eval()
+    est = evaluate() if evaluate else {}
+    module.train()
+    if not all(math.isfinite(v) for v in est.values()):
+        raise NonFiniteLoss('evaluation loss', est, step, saved, cfg, rt)
+    if est:
+        print(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
+    return est
 
 def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None, save=None,
         resume=None, log_name='log.jsonl'):
     """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of
-    convert.py's stages. module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made
-    here (none if FSDP shards it). params_or_optimizer: an optimizer (lr set each step), or
-    parameters for AdamW(weight_decay=cfg.weight_decay). loss_fn(net, batch) -> scalar loss; it
-    calls `net` (module or its DDP wrapper), so that DDP syncs gradients. next_batch(gen) -> a
-    micro-batch of CPU tensors (the first: the tokens counted), drawn with the generator `gen`
-      only (seeded, checkpointed): every process draws every micro-batch and takes its share (one data stream).
-    cfg: a Schedule (train.py: TrainConfig's fields of the same names). evaluate() -> {name: float}:
-    on the master, in eval mode, every cfg.eval_interval steps and at the end. save(state) -> path
-    (None: no checkpoints): after each evaluation, writes the model and `state` (optimizer,
-      scaler, step, data stream, RNGs); given back as `resume` it continues exactly (you load the weights).
-    log_name: out_dir's per-step {'iter', 'loss', 'lr'} rows. A non-finite loss, gradient norm or
-    evaluation
-      raises NonFiniteLoss. -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
+    convert.py's stages.
+    - module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made here (none if
+      FSDP shards it).
+    - params_or_optimizer: an optimizer (lr set each step), or parameters for
+      AdamW(weight_decay=cfg.weight_decay).
+    - loss_fn(net, batch) -> scalar loss; it calls `net` (module or its DDP wrapper), so that DDP
+      syncs gradients.
+    - next_batch(gen) -> a micro-batch of CPU tensors (the first: the tokens counted), drawn with
+      the generator `gen` only (seeded, checkpointed): every process draws every micro-batch and
+      takes its share (one data stream).
+    - cfg: a Schedule (train.py: TrainConfig's fields of the same names).
+    - evaluate() -> {name: float}: on the master, in eval mode, every cfg.eval_interval steps and
+      at the end.
+    - save(state) -> path (None: no checkpoints): after each evaluation, writes the model and
+      `state` (optimizer, scaler, step, data stream, RNGs); given back as `resume` it continues
+      exactly (you load the weights).
+    - log_name: out_dir's per-step {'iter', 'loss', 'lr'} rows.
+    A non-finite loss, gradient norm or evaluation raises NonFiniteLoss.
+    -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
-    net = module if not rt.ddp or isinstance(module, FSDPModule) else nn.parallel.DistributedDataParallel(module)
+    net = module
+    if rt.ddp and not isinstance(module, FSDPModule):   # FSDP shards: no DDP wrapper
+        net = nn.parallel.DistributedDataParallel(module)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    t0, cpu0, clock, est, saved = time.time(), time.process_time(), (time.time(),
-                                                                     step), {}, resume is not None
-    with _open_log(os.path.join(cfg.out_dir, log_name),
-                   step) if rt.master else contextlib.nullcontext() as log:
+    t0 = time.time()
+    cpu0 = time.process_time()
+    clock = (t0, step)            # (time, step) of the last progress line
+    est = {}                      # the last evaluation
+    saved = resume is not None    # a checkpoint stands (NonFiniteLoss says which)
+    log = _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else None
+    with log or contextlib.nullcontext():
         while step < cfg.max_iters:
             lr = get_lr(cfg, step)
             for g in opt.param_groups:
@@ -776,31 +853,16 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
             scaler.update()
             opt.zero_grad(set_to_none=True)
             step += 1
-            if rt.master:
-                log.write(json.dumps({'iter': step - 1, 'loss': loss, 'lr': lr}) + '\n')
-                # ten progress lines a run
-                if step % max(1, cfg.max_iters // 10) == 0 or step == cfg.max_iters:
-                    dt = (time.time() - clock[0]) / max(step - clock[1], 1)     # clock: (time,
-                                                                                # step) of the last
-                                                                                # one
-                    print(
-                        f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
-                        f"{_rate(tokens / max(dt, 1e-9))} tok/s | eta "
-                        f"{_fmt_time(dt * (cfg.max_iters - step))}", flush=True)
-                    clock = time.time(), step
-            if rt.master and (cfg.eval_interval and step % cfg.eval_interval == 0
-                              or step == cfg.max_iters):
+            if not rt.master:
+                continue
+            log.write(json.dumps({'iter': step - 1, 'loss': loss, 'lr': lr}) + '\n')
+            clock = _progress(step, loss, lr, tokens, clock, cfg)
+            if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_iters:
                 log.flush()
-                module.eval()
-                est = evaluate() if evaluate else {}
-                module.train()
-                if not all(math.isfinite(v) for v in est.values()):
-                    raise NonFiniteLoss('evaluation loss', est, step, saved, cfg, rt)
-                if est:
-                    print(f"eval step {step}: "
-                          + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
+                est = _evaluate(module, evaluate, step, saved, cfg, rt)
                 if save:   # the state that `resume` continues from exactly (_start)
-                    cuda_rng = torch.cuda.get_rng_state(rt.device) if rt.device.startswith('cuda') else None
+                    cuda = rt.device.startswith('cuda')
+                    cuda_rng = torch.cuda.get_rng_state(rt.device) if cuda else None
                     saved = save(dict(optimizer=opt.state_dict(), scaler=scaler.state_dict(),
                                       iter_num=step, cuda_rng=cuda_rng, data_rng=gen.get_state(),
                                       torch_rng=torch.get_rng_state()))
@@ -814,7 +876,9 @@ class Task:
     types, labels) for GLUE."""
 
     def __init__(self, cfg, tok=None, verbose=True):
-        self.cfg, self.tokenizer, self.num_labels = cfg, tok and tok.name, 0
+        self.cfg = cfg
+        self.tokenizer = tok and tok.name
+        self.num_labels = 0
         if cfg.task == 'text':
             self.splits = dict(zip(('train', 'val'), text_splits(cfg, tok)))
             self.vocab_size = tok.vocab_size if tok.vocab_size < 1000 else (tok.vocab_size
@@ -825,10 +889,12 @@ class Task:
             self.splits = {k: collate_glue(*zip(*[(enc.encode(a, b), label)
                                                   for a, b, label in load(s)])) for k, s in (
                                                       ('train', 'train'), ('val', 'validation'))}
-            self.num_labels, self.vocab_size = glue_num_labels(cfg.glue_task), tok.vocab_size
+            self.num_labels = glue_num_labels(cfg.glue_task)
+            self.vocab_size = tok.vocab_size
         else:
             # test: the final queries only
-            nq, args = 8 if cfg.task == 'mqar' else 1, (cfg.seq_len, cfg.ar_vocab)
+            nq = 8 if cfg.task == 'mqar' else 1
+            args = (cfg.seq_len, cfg.ar_vocab)
             self.splits = {'train': make_associative_recall(
                 cfg.n_train, *args, cfg.seed,
                 nq, label_repeats=True), 'val': make_associative_recall(N_TEST, *args, cfg.seed
@@ -858,7 +924,8 @@ class Task:
     def eval_batches(self, split, n_batches=EVAL_ITERS):
         """Fixed batches of a split: its first examples (text: its first non-overlapping
         windows)."""
-        B, step = self.cfg.batch_size, self.cfg.seq_len if self.cfg.task == 'text' else 1
+        B = self.cfg.batch_size
+        step = self.cfg.seq_len if self.cfg.task == 'text' else 1
         n = min((self.size[split] - 1) // step + 1, n_batches * B)
         return [torch.arange(i, min(i + B, n)) * step for i in range(0, n, B)]
 
@@ -870,14 +937,17 @@ def task_loss(module, batch):
 def _predict(module, task, split, sels, rt):
     """-> per-batch losses and label counts, predictions and labels (AR, text: at the labelled
     positions)."""
-    stats, preds, labels = [], [], []
+    stats = []
+    preds = []
+    labels = []
     for sel in sels:
         batch = tuple(t.to(rt.device) for t in task.batch(split, sel))
         with rt.autocast:
             logits, loss = module(*batch)
         y = batch[-1]
         if task.cfg.task != 'glue':
-            logits, y = logits[y != -100], y[y != -100]
+            logits = logits[y != -100]
+            y = y[y != -100]
         stats.append((loss.item(), len(y)))
         preds += (logits.float().squeeze(-1) if task.num_labels == 1
                   else logits.argmax(-1)).tolist()
@@ -936,7 +1006,9 @@ def _model_and_task(cfg, explicit, verbose):
     """(model, task, resume state): resumed from out_dir/ckpt.pt, or loaded from --init_from (its
     tokenizer encodes the data; its attention is kept unless --attn is given), or from scratch
     (bytes for text/glue)."""
-    ckpt, model, state = os.path.join(cfg.out_dir, 'ckpt.pt'), None, None
+    ckpt = os.path.join(cfg.out_dir, 'ckpt.pt')
+    model = None
+    state = None
     if cfg.resume:
         if not os.path.exists(ckpt):
             raise UsageError(f"--resume but there is no checkpoint {ckpt}")
@@ -991,13 +1063,10 @@ def train(cfg, explicit=frozenset()):
                    'n_params': model.get_num_params(), 'tokenizer': task.tokenizer,
                    'device': rt.device, 'dtype': rt.dtype, 'world_size': rt.world,
                    'torch': torch.__version__}
-        with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
-            json.dump(summary, f, indent=2)
-        os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'),
-                   os.path.join(cfg.out_dir, 'summary.json'))
-        print("final: " + ', '.join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                    for k, v in metrics.items()
-                                    if not k.startswith('last_eval')) + f" ({_fmt_time(run['train_time_s'])} training)")
+        write_json(os.path.join(cfg.out_dir, 'summary.json'), summary)
+        final = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                 for k, v in metrics.items() if not k.startswith('last_eval')]
+        print(f"final: {', '.join(final)} ({_fmt_time(run['train_time_s'])} training)")
         return summary
     finally:
         if rt.ddp and dist.is_initialized():
@@ -1009,7 +1078,8 @@ def compare(cfg, explicit=frozenset()):
     and times (out_dir/compare.md)."""
     if 'RANK' in os.environ:
         raise UsageError("--compare runs one process; launch it without torchrun")
-    rows, t0 = [], time.time()
+    rows = []
+    t0 = time.time()
     for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
         print(f"=== {spec} ===", flush=True)
         out_dir = os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', ''))
