@@ -42,15 +42,17 @@ class Tokenizer:
         if sep is None:
             raise TokenizerError(
                 f"tokenizer {self.name} has no end-of-text token to build classifier input")
+        pair = b is not None
         ia = self.encode(a)
-        ib = self.encode(b) if b is not None else []
-        room = max_len - (3 if b is not None else 2)
-        na, nb = len(ia), len(ib)
+        ib = self.encode(b) if pair else []
+        room = max_len - (3 if pair else 2)
+        na = len(ia)
+        nb = len(ib)
         # the shorter text (a on a tie) keeps up to half of the room, the other the rest
         if na + nb > room:
             short = min(na, nb, room // 2)
             na, nb = (room - short, short) if na > nb else (short, room - short)
-        ids = [cls] + ia[:na] + [sep] + (ib[:nb] + [sep] if b is not None else [])
+        ids = [cls] + ia[:na] + [sep] + (ib[:nb] + [sep] if pair else [])
         return ids, [0] * (na + 2) + [1] * (len(ids) - na - 2)
 
     @property
@@ -63,7 +65,10 @@ class Tokenizer:
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes 0..255 plus an end-of-text token 256."""
-    name, vocab_size, eos_id, spec = 'byte', 257, 256, {'kind': 'byte'}
+    name = 'byte'
+    vocab_size = 257
+    eos_id = 256
+    spec = {'kind': 'byte'}
 
     def encode(self, text, special=False):
         return list(text.encode('utf-8'))
@@ -139,7 +144,8 @@ class HFTokenizer(Tokenizer):
 
         From tokenizer_config.json, if any: do_lower_case, strip_accents, eos_token and the
         tokenizer's class (its name)."""
-        path, config = os.path.join(folder, '{}'), {}
+        path = os.path.join(folder, '{}')
+        config = {}
         if os.path.isfile(path.format('tokenizer_config.json')):
             with open(path.format('tokenizer_config.json')) as f:
                 config = json.load(f)
