@@ -1,15 +1,16 @@
-"""Tokenizers that travel with a model. In reading order:
+"""Tokenizers that travel with a model.
 
-    tok = load_tokenizer(source)   # 'bytes', 'gpt2' (tiktoken), a HF folder, a .gguf file, or a
-                                   # spec (tok.spec)
-    ids = tok.encode(text)         # list[int], nothing added; special tokens in the text only if
-                                   # special=True
-    ids, types = tok.encode_pair(a, b, max_len)   # classifier input: [CLS] a [SEP] b [SEP], or eos
-                                                  # for both
+In reading order:
+    tok = load_tokenizer(source)   # 'bytes', 'gpt2' (tiktoken), a HF folder, a .gguf file,
+                                   # or a spec (tok.spec)
+    ids = tok.encode(text)         # list[int], nothing added; special tokens in the text
+                                   # only if special=True
+    ids, types = tok.encode_pair(a, b, max_len)   # classifier input: [CLS] a [SEP] b [SEP],
+                                                  # or eos for both
     tok.decode(ids), tok.name, tok.vocab_size, tok.eos_id (or None)
     tok.encode_array(text)         # the ids as an int64 numpy array
-    tok.spec, tok.fingerprint      # JSON that rebuilds it offline (checkpoints store it), and its
-                                   # sha256
+    tok.spec, tok.fingerprint      # JSON that rebuilds it offline (checkpoints store it),
+                                   # and its sha256
     tok = resolve(model, source)   # for a model: source if given, else its own, else by
                                    # vocab_size; must fit
 """
