@@ -1,11 +1,10 @@
-"""One transformer for the three model families the linear-attention papers convert, and every way
-to load it.
+"""One transformer for the families the linear-attention papers convert, and every way to load it.
 
 The families, as a config switch rather than three copies of the code:
 - GPT-2: learned positions, pre-LayerNorm, GELU (tanh) MLP, tied embeddings, causal;
 - Llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention (GQA), untied head, causal;
-- BERT:  learned positions + token types, post-LayerNorm, GELU (exact) MLP, bidirectional, pooler +
-  classifier.
+- BERT:  learned positions + token types, post-LayerNorm, GELU (exact) MLP, bidirectional,
+  pooler + classifier.
 Every layer's attention is an `hybrids.Attention` core built from a spec string such as 'softmax',
 'hedgehog:feature_dim=64' or 'lolcats:window=64' (config.attn; config.layer_attn overrides single
 layers). Feature maps see queries and keys after RoPE, one map per query head.
@@ -44,21 +43,21 @@ class GPTConfig:
     bias: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF rope_scaling: rope_type 'linear' or 'llama3' (None =
-                                      # plain RoPE)
+    rope_scaling: dict | None = None  # HF rope_scaling: rope_type 'linear' or 'llama3'
+                                      # (None = plain RoPE)
     tie_embeddings: bool = True
     type_vocab_size: int = 2    # bert
     num_labels: int = 0         # bert classification head (0 = none)
     attn: str = 'softmax'       # every layer's attention, an attention.AttnSpec string
-    layer_attn: dict = field(default_factory=dict)  # {layer: spec string}: layers that differ from
-                                                    # `attn`
+    layer_attn: dict = field(default_factory=dict)  # {layer: spec string}: the layers that
+                                                    # differ from `attn`
     lora: dict | None = None    # {'rank', 'alpha', 'targets'}: LoRA adapters on these Linear
                                 # modules (convert.py)
-    init_std: float = 0.02      # scratch init: N(0, init_std) Linear weights, residual projections
-                                # / sqrt(2 n_layer)
+    init_std: float = 0.02      # scratch init: N(0, init_std) Linear weights, residual
+                                # projections / sqrt(2 n_layer)
     emb_init_std: float = 0.02  # scratch init: N(0, emb_init_std) embeddings
-    short_conv: int = 0         # > 0: taps of a causal depthwise conv on the keys (H3's shift,
-                                # Based's short conv)
+    short_conv: int = 0         # > 0: taps of a causal depthwise conv on the keys
+                                # (H3's shift, Based's short conv)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -89,87 +88,109 @@ class GPTConfig:
     def head_dim(self):
         return self.n_embd // self.n_head
 
+    @property
+    def inv_freq(self):
+        """RoPE's inverse frequencies (head_dim/2,) for llama; None for the other families."""
+        if self.family == 'llama':
+            return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+
 # ---- building blocks --------------------------------------------------------
 class RMSNorm(nn.Module):
     """Llama RMSNorm (HF convention: normalise in float32, scale in the input dtype)."""
 
     def __init__(self, ndim, eps=1e-6):
         super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(ndim)), eps
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.eps = eps
 
     def forward(self, x):
-        dtype, x = x.dtype, x.float()
+        dtype = x.dtype
+        x = x.float()
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
 def make_norm(config):
-    C, eps = config.n_embd, config.norm_eps
-    return RMSNorm(C, eps=eps) if config.family == 'llama' else nn.LayerNorm(
-        C, eps=eps, bias=config.bias)
+    if config.family == 'llama':
+        return RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+def _rope_type(scaling):
+    """The rope_type of an HF rope_scaling dict (older configs: 'type'); 'default' for None."""
+    scaling = scaling or {}
+    return scaling.get('rope_type', scaling.get('type', 'default'))
 
 def rope_inv_freq(head_dim, theta, scaling=None):
     """RoPE inverse frequencies (head_dim/2,), with HF's 'linear' and 'llama3' scalings."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get('rope_type', (scaling or {}).get('type', 'default'))
+    rope_type = _rope_type(scaling)
     if rope_type in ('default', 'linear'):   # linear: every frequency divided by the factor
         return inv_freq / (scaling['factor'] if rope_type == 'linear' else 1)
     if rope_type != 'llama3':
         raise UsageError(
             f"unsupported rope_type {rope_type!r}; supported: 'default', 'linear', 'llama3'")
-    factor, low, high = scaling['factor'], scaling['low_freq_factor'], scaling['high_freq_factor']
-    old_len, wavelen = scaling['original_max_position_embeddings'], 2 * math.pi / inv_freq
+    factor = scaling['factor']
+    low = scaling['low_freq_factor']
+    high = scaling['high_freq_factor']
+    old_len = scaling['original_max_position_embeddings']
+    wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 class ShortConv(nn.Module):
-    """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution):
-    y_t = sum_i w_i x_{t-i} per channel, i < K = kernel_size, zeros before the first token, w_i =
-    weight[:, K-1-i] (F.conv1d's layout). Identity at init (w_0 = 1): added to a trained model, it
-    changes nothing. Decode state: last K-1 inputs."""
+    """Causal depthwise convolution over time (H3's shift SSM on keys, Based's short convolution).
+
+    y_t = sum_i w_i x_{t-i} per channel, i < K = kernel_size, zeros before the first token,
+    w_i = weight[:, K-1-i] (F.conv1d's layout). Identity at init (w_0 = 1): added to a trained
+    model, it changes nothing. Decode state: the last K-1 inputs."""
 
     def __init__(self, channels, kernel_size):
         super().__init__()
         self.kernel_size = kernel_size
-        # (C, K); last tap = current
+        # (C, K): the last tap, the current input's, is 1
         self.weight = nn.Parameter(torch.eye(kernel_size)[-1].repeat(channels, 1))
 
-    def forward(self, x, past=None):   # x (B, T, C); past (B, K-1, C): the inputs before x (None =
-                                       # zeros)
-        xx = F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None else torch.cat(
-            [past.to(x.dtype), x], dim=1)
+    def forward(self, x, past=None):
+        """x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)."""
+        xx = (F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None
+              else torch.cat([past.to(x.dtype), x], dim=1))           # (B, K-1+T, C)
         # (B, C, T)
         y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=x.size(-1))
-        return y.transpose(1, 2), xx[:, x.size(1):]                 # xx (B, K-1+T, C): its last K-1
-                                                                    # rows
+        return y.transpose(1, 2), xx[:, x.size(1):]                 # and xx's last K-1 rows
 
 class LoRALinear(nn.Linear):
-    """y = x W^T + b + (alpha / r) x A^T B^T (Hu et al. 2021), A (r, in) random, B (out, r) zero: a
-    fresh adapter changes nothing. It *is* the nn.Linear it wraps (same `weight`, `bias` and
-    state-dict names) plus lora_A, lora_B."""
+    """y = x W^T + b + (alpha / r) x A^T B^T (Hu et al. 2021): a LoRA adapter on an nn.Linear.
+
+    A (r, in) random, B (out, r) zero: a fresh adapter changes nothing. It *is* the nn.Linear it
+    wraps (same `weight`, `bias` and state-dict names) plus lora_A, lora_B."""
 
     def __init__(self, base, rank=8, alpha=16.0):
         nn.Module.__init__(self)
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
-        self.rank, self.scaling = int(rank), float(alpha) / rank
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.rank = int(rank)
+        self.scaling = float(alpha) / rank
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=base.weight.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A),
-                                                              self.lora_B) * self.scaling
+        update = F.linear(F.linear(x, self.lora_A), self.lora_B)    # x A^T B^T
+        return F.linear(x, self.weight, self.bias) + update * self.scaling
 
     def extra_repr(self):
-        return f"{self.in_features}, {self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
+        return (f"{self.in_features}, {self.out_features}, "
+                f"rank={self.rank}, scaling={self.scaling:g}")
 
 @dataclass(frozen=True)
 class LayerState:
-    """One layer's decode state: its attention core's (hybrids.py) and the key convolution's last
-    K-1 inputs."""
+    """One layer's decode state: its attention core's (hybrids.py) and its key convolution's.
+
+    The convolution's is its last K-1 inputs."""
     attn: object
     conv: torch.Tensor | None   # (B, K-1, H_kv * D), or None without a convolution
 
@@ -178,10 +199,12 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config, spec):
         super().__init__()
-        C, nh, nkv, hs = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
-        self.n_head, self.n_kv_head, self.head_dim = nh, nkv, hs
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(C, n * hs, bias=config.bias)
-                                                 for n in (nh, nkv, nkv))
+        C = config.n_embd
+        self.n_head = nh = config.n_head
+        self.n_kv_head = nkv = config.n_kv_head
+        self.head_dim = hs = config.head_dim
+        self.q_proj, self.k_proj, self.v_proj = (
+            nn.Linear(C, n * hs, bias=config.bias) for n in (nh, nkv, nkv))
         self.o_proj = nn.Linear(nh * hs, C, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.k_conv = ShortConv(nkv * hs, config.short_conv) if config.short_conv else None
@@ -189,9 +212,12 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
         B, T, C = x.size()
-        nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
+        nh = self.n_head
+        nkv = self.n_kv_head
+        hs = self.head_dim
         q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
-        k, conv_past = self.k_proj(x), None                     # (B, T, nkv * hs)
+        k = self.k_proj(x)                                      # (B, T, nkv * hs)
+        conv_past = None
         if self.k_conv is not None:
             k, conv_past = self.k_conv(k, state and state.conv)
         k = k.view(B, T, nkv, hs).transpose(1, 2)               # (B, nkv, T, hs)
@@ -203,18 +229,18 @@ class SelfAttention(nn.Module):
         y = self.core(q, k, v, state=state and state.attn, return_state=return_state,
                       key_padding_mask=key_padding_mask)
         if return_state:   # the core's state, and the conv's last K-1 inputs
-            y, state = y[0], LayerState(y[1], conv_past)
+            state = LayerState(y[1], conv_past)
+            y = y[0]
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
 
 def make_core(config, spec):
-    """The attention core of one layer for `spec` (an AttnSpec or its string); cosformer's M =
-    block_size."""
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling) \
-        if config.family == 'llama' else None
+    """The attention core of one layer for `spec` (an AttnSpec or its string).
+
+    cosformer's M is block_size."""
     return Attention(spec, config.head_dim, config.n_head, causal=config.family != 'bert',
-                     max_len=config.block_size,
-                     kv_groups=config.n_head // config.n_kv_head, rope_inv_freq=inv_freq)
+                     max_len=config.block_size, kv_groups=config.n_head // config.n_kv_head,
+                     rope_inv_freq=config.inv_freq)
 
 class MLP(nn.Module):
     """GELU MLP (gpt2: tanh approximation, bert: exact) or SwiGLU (llama)."""
@@ -224,43 +250,49 @@ class MLP(nn.Module):
         C, H, b = config.n_embd, config.intermediate_size, config.bias
         self.family = config.family
         if config.family == 'llama':
-            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(C, H, b), nn.Linear(
-                C, H, b), nn.Linear(H, C, b)
+            self.gate_proj = nn.Linear(C, H, b)
+            self.up_proj = nn.Linear(C, H, b)
+            self.down_proj = nn.Linear(H, C, b)
         else:
-            self.c_fc, self.c_proj = nn.Linear(C, H, bias=b), nn.Linear(H, C, bias=b)
+            self.c_fc = nn.Linear(C, H, bias=b)
+            self.c_proj = nn.Linear(H, C, bias=b)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         if self.family == 'llama':
             return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate='tanh'
-                                               if self.family == 'gpt2' else 'none')))
+        approximate = 'tanh' if self.family == 'gpt2' else 'none'
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=approximate)))
 
 class Block(nn.Module):
-    """One layer: attention and MLP, each a residual branch; pre-norm (GPT-2, Llama) or post-norm
-    (BERT)."""
+    """One layer: attention and MLP, each a residual branch.
+
+    Pre-norm (GPT-2, Llama) or post-norm (BERT)."""
 
     def __init__(self, config, spec):
         super().__init__()
         self.post_norm = config.family == 'bert'
-        self.ln_1, self.attn = make_norm(config), SelfAttention(config, spec)
-        self.ln_2, self.mlp = make_norm(config), MLP(config)
+        self.ln_1 = make_norm(config)
+        self.attn = SelfAttention(config, spec)
+        self.ln_2 = make_norm(config)
+        self.mlp = MLP(config)
 
     def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
         if self.post_norm:  # BERT
             a, state = self.attn(x, rope, state, return_state, key_padding_mask)
             x = self.ln_1(x + a)
             return self.ln_2(x + self.mlp(x)), state
-        # GPT-2, Llama
+        # pre-norm: GPT-2, Llama
         a, state = self.attn(self.ln_1(x), rope, state, return_state, key_padding_mask)
         x = x + a
         return x + self.mlp(self.ln_2(x)), state
 
 # ---- the models: the shared body, then a causal LM (GPT-2, Llama) and an encoder (BERT) ----
 class Transformer(nn.Module):
-    """The body of every family: token embeddings (plus learned positions for gpt2 and bert, RoPE
-    for llama), the blocks, and (causal families) a final norm. The family is read here once; GPT
-    and Bert add their heads."""
+    """The body of every family: embeddings, the blocks, and (causal families) a final norm.
+
+    Token embeddings, plus learned positions for gpt2 and bert (RoPE for llama). The family is read
+    here once; GPT and Bert add their heads."""
 
     def __init__(self, config):
         super().__init__()
@@ -272,25 +304,25 @@ class Transformer(nn.Module):
                        h=nn.ModuleList(blocks))
         if not self.rope:   # learned positions
             modules['wpe'] = nn.Embedding(config.block_size, C)
-        if config.family == 'bert':   # token types; an embedding LayerNorm (post-LN model, no final
-                                      # norm)
+        if config.family == 'bert':   # token types; an embedding LayerNorm (post-LN: no final norm)
             modules.update(wtt=nn.Embedding(config.type_vocab_size, C), ln_e=make_norm(config))
         else:
             modules['ln_f'] = make_norm(config)
         self.transformer = nn.ModuleDict(modules)
-        self._inv_freq = {}    # device -> RoPE inverse frequencies in float32 (not a buffer:
-                               # .to(bf16) must not round)
+        # device -> RoPE inverse frequencies in float32 (not a buffer: .to(bf16) must not round)
+        self._inv_freq = {}
         self.tokenizer = None  # the tokenizer that travels with the model (load and save handle it)
 
     def _init_weights(self):
-        """nanoGPT's init, after the heads are made: N(0, init_std) Linear weights (residual
-        projections / sqrt(2 n_layer)), N(0, emb_init_std) embeddings, zero biases; the attention
-        cores keep their own."""
+        """nanoGPT's init, after the heads are made; the attention cores keep their own.
+
+        N(0, init_std) Linear weights (residual projections / sqrt(2 n_layer)), N(0, emb_init_std)
+        embeddings, zero biases."""
         cfg, cores = self.config, {id(m) for c in self.attention_cores() for m in c.modules()}
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)) and id(m) not in cores:
-                nn.init.normal_(m.weight, std=cfg.init_std if isinstance(m, nn.Linear)
-                                else cfg.emb_init_std)
+                std = cfg.init_std if isinstance(m, nn.Linear) else cfg.emb_init_std
+                nn.init.normal_(m.weight, std=std)
                 if getattr(m, 'bias', None) is not None:
                     nn.init.zeros_(m.bias)
         for pn, p in self.named_parameters():
@@ -308,48 +340,50 @@ class Transformer(nn.Module):
         return [block.attn.core for block in self.transformer.h]
 
     def set_attention(self, spec, layers=None):
-        """New attention cores for `layers` (default: all) from `spec` (e.g.
-        'hedgehog:feature_dim=64'), keeping q/k/v/o and everything else; the config records it, so
-        save/load rebuild the same model."""
+        """New attention cores for `layers` (default: all) from `spec` ('hedgehog:feature_dim=64').
+
+        q/k/v/o and everything else are kept; the config records it, so save/load rebuild the same
+        model."""
         cfg, spec = self.config, str(AttnSpec.parse(spec))
         layers = range(cfg.n_layer) if layers is None else list(layers)
-        # validated
-        layer_attn = replace(cfg, layer_attn={**cfg.layer_attn,
-                                              **dict.fromkeys(layers, spec)}).layer_attn
+        # replace() checks the layers
+        new = replace(cfg, layer_attn={**cfg.layer_attn, **dict.fromkeys(layers, spec)})
+        device = self.transformer.wte.weight.device
         for i in layers:
-            self.transformer.h[i].attn.core = make_core(cfg, spec).to(
-                self.transformer.wte.weight.device)
-        cfg.attn = spec if len(set(layers)) == cfg.n_layer else cfg.attn
-        cfg.layer_attn = {i: s for i, s in layer_attn.items() if s != cfg.attn}
+            self.transformer.h[i].attn.core = make_core(cfg, spec).to(device)
+        if len(set(layers)) == cfg.n_layer:   # every layer: the model's attention
+            cfg.attn = spec
+        cfg.layer_attn = {i: s for i, s in new.layer_attn.items() if s != cfg.attn}
         return self
 
-    def add_lora(self, rank=8, alpha=16.0,
-                 targets=('q_proj', 'k_proj', 'v_proj', 'o_proj'), layers=None):
-        """LoRA adapters on the Linear modules whose names end with `targets`, in `layers` (default
-        all); recorded in config.lora (full names) so that save/load rebuild them. Returns the
-        adapted module names."""
+    def add_lora(self, rank=8, alpha=16.0, targets=('q_proj', 'k_proj', 'v_proj', 'o_proj'),
+                 layers=None):
+        """LoRA adapters on the Linear modules whose names end with `targets`, in `layers`.
+
+        layers: default all. Recorded in config.lora (full names) so that save/load rebuild them.
+        Returns the adapted module names."""
         layers = range(self.config.n_layer) if layers is None else layers
-        names = [n for n, m in self.named_modules() if isinstance(m, nn.Linear)
-                 and not isinstance(m, LoRALinear)
-                 and n.startswith('transformer.h.') and int(n.split('.')[
-                     2]) in layers and n.endswith(tuple(targets))]
+        names = [n for n, m in self.named_modules()
+                 if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)
+                 and n.startswith('transformer.h.') and int(n.split('.')[2]) in layers
+                 and n.endswith(tuple(targets))]
         if not names:   # (nor a model's own LoRA: a converted checkpoint's q/k/v/o are LoRALinear)
-            raise UsageError(
-                f"LoRA targets {list(targets)} match no Linear module without LoRA in layers "
-                             f"{list(layers)}")
+            raise UsageError(f"LoRA targets {list(targets)} match no Linear module without LoRA "
+                             f"in layers {list(layers)}")
         for name in names:
-            parent, _, child = name.rpartition('.')
-            setattr(self.get_submodule(parent), child,
-                    LoRALinear(self.get_submodule(name), rank, alpha))
+            self.set_submodule(name, LoRALinear(self.get_submodule(name), rank, alpha))
         self.config.lora = dict(rank=rank, alpha=alpha, targets=names)
         return names
 
     @contextlib.contextmanager
     def capture_qkv(self, layers=None, teacher=False):
-        """with model.capture_qkv() as rec: model(x) -> rec[i] = (q, k, v, key_padding_mask) that
-        layer i's core got: (B, H, T, D) after RoPE, k and v GQA-repeated, mask None if causal.
-        teacher=True: meanwhile every layer has an exact softmax core (a converted model runs as its
-        teacher). The one q/k capture (transfer, DoF, metrics)."""
+        """The q, k, v every layer's core gets: the one q/k capture (transfer, DoF, metrics).
+
+            with model.capture_qkv() as rec:
+                model(x)   # rec[i] = (q, k, v, key_padding_mask) that layer i's core got
+        q, k, v (B, H, T, D): after RoPE, k and v GQA-repeated; the mask None if causal.
+        teacher=True: meanwhile every layer has an exact softmax core (a converted model runs as
+        its teacher)."""
         blocks, rec, own = self.transformer.h, {}, self.attention_cores()
         if teacher:
             for b in blocks:
@@ -367,36 +401,33 @@ class Transformer(nn.Module):
 
     def _rope(self, pos):
         """RoPE's (cos, sin) (T, hs) at positions pos, a (T,) long tensor on the device."""
-        cfg, device = self.config, pos.device
-        if device not in self._inv_freq:
-            self._inv_freq[device] = rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                   cfg.rope_scaling).to(device)
-        emb = (pos.float()[:, None] * self._inv_freq[device]).repeat(1, 2)   # (T, hs)
+        if pos.device not in self._inv_freq:
+            self._inv_freq[pos.device] = self.config.inv_freq.to(pos.device)
+        emb = (pos.float()[:, None] * self._inv_freq[pos.device]).repeat(1, 2)   # (T, hs)
         return emb.cos(), emb.sin()
 
     def hidden_states(self, idx, offset=0, states=None, return_state=False, token_type_ids=None,
                       attention_mask=None):
-        """Final hidden states (B, T, C) of tokens at positions offset..offset+T-1 (offset: an int,
-        or decode_step's (1,) tensor on the device), and the new decode states. attention_mask (B,
-        T) (BERT): 1 = real, 0 = padding."""
-        cfg, tr = self.config, self.transformer
+        """Final hidden states (B, T, C) at positions offset..offset+T-1, and new decode states.
+
+        offset: an int, or decode_step's (1,) tensor on the device. attention_mask (B, T) (BERT):
+        1 = real, 0 = padding."""
+        tr = self.transformer
         B, T = idx.size()
-        if states is None and not torch.is_tensor(offset) and offset and any(
-                c.spec.nope or c.spec.name == 'cosformer' for c in self.attention_cores()):
-            raise UsageError(
-                f"a prefill at offset {offset} needs the states of the tokens before it: "
-                             "nope's and cosformer's maps depend on the position")
-        # (T,)
-        pos = offset if torch.is_tensor(offset) else torch.arange(offset,
-                                                                  offset + T, device=idx.device)
+        pos = offset                                                # decode_step's (1,)
+        if not torch.is_tensor(offset):
+            pos = torch.arange(offset, offset + T, device=idx.device)   # (T,)
+            if states is None and offset and any(c.spec.nope or c.spec.name == 'cosformer'
+                                                 for c in self.attention_cores()):
+                raise UsageError(f"a prefill at offset {offset} needs the states of the tokens "
+                                 "before it: nope's and cosformer's maps depend on the position")
+            if not self.rope and offset + T > self.config.block_size:
+                raise UsageError(f"{offset + T} positions exceed "
+                                 f"block_size={self.config.block_size} (learned positions)")
         x = tr.wte(idx)                                             # (B, T, C)
         if not self.rope:
-            if not torch.is_tensor(offset) and offset + T > cfg.block_size:
-                raise UsageError(
-                    f"{offset + T} positions exceed block_size={cfg.block_size} (learned "
-                    "positions)")
             x = x + tr.wpe(pos)
-        if isinstance(self, Bert):
+        if isinstance(self, Bert):   # token types (default 0), the embedding LayerNorm
             x = tr.ln_e(x + tr.wtt(torch.zeros_like(idx) if token_type_ids is None
                                    else token_type_ids))
         x = tr.drop(x)
@@ -410,15 +441,17 @@ class Transformer(nn.Module):
         return (x if isinstance(self, Bert) else tr.ln_f(x)), (new_states if return_state else None)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW over the trainable parameters. Weight decay pulls towards zero, so it goes only
-        where zero is neutral: 2-D weights of the nanoGPT-initialised projections and embeddings,
-        LoRA factors. Not decayed: 1-D gains and biases, and what starts at the identity or another
-        structured value (attention cores, short convolution)."""
+        """AdamW over the trainable parameters, weight decay only where zero is neutral.
+
+        Weight decay pulls towards zero, so it goes only to the 2-D weights of the
+        nanoGPT-initialised projections and embeddings, and to LoRA factors. Not decayed: 1-D gains
+        and biases, and what starts at the identity or another structured value (attention cores,
+        short convolution)."""
         structured = {id(p) for m in self.modules() if isinstance(m, (Attention, ShortConv))
                       for p in m.parameters()}
-        named = [p for p in self.parameters() if p.requires_grad]
+        trainable = [p for p in self.parameters() if p.requires_grad]
         decayed = lambda p: p.dim() >= 2 and id(p) not in structured   # noqa: E731
-        groups = [{'params': [p for p in named if decayed(p) == d], 'weight_decay': wd}
+        groups = [{'params': [p for p in trainable if decayed(p) == d], 'weight_decay': wd}
                   for d, wd in ((True, weight_decay), (False, 0.0))]   # decayed, then not
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
@@ -428,8 +461,9 @@ class Transformer(nn.Module):
         return load(path, **overrides)[0]
 
 class GPT(Transformer):
-    """A causal language model (family gpt2 or llama): the body and an LM head (tied to wte unless
-    untied)."""
+    """A causal language model (family gpt2 or llama): the body and an LM head.
+
+    The head is tied to wte unless config.tie_embeddings is False."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -442,50 +476,55 @@ class GPT(Transformer):
         self._init_weights()
 
     def forward(self, idx, targets=None):
-        """Logits (B, T, vocab) and, given targets (B, T) (-100 = ignored), the cross-entropy
-        loss."""
-        logits = self.lm_head(self.hidden_states(idx)[0])           # (B, T, vocab)
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(),
-                                                            targets.reshape(-1))
-        return logits, loss   # F.cross_entropy's ignore_index is -100
+        """Logits (B, T, vocab) and, given targets (B, T) (-100 = ignored), the loss.
 
-    decode_state_nbytes = staticmethod(state_nbytes)   # bytes of the per-layer decode states (KV
-                                                       # caches, recurrent)
+        The loss is the cross-entropy (F.cross_entropy's ignore_index is -100)."""
+        logits = self.lm_head(self.hidden_states(idx)[0])           # (B, T, vocab)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1))
+
+    # bytes of the per-layer decode states (KV caches, recurrent)
+    decode_state_nbytes = staticmethod(state_nbytes)
 
     @torch.no_grad()
     def prefill(self, idx, offset=0, states=None):
-        """Run idx (B, T) at positions offset.. after `states` (None: from the start): (last logits,
-        states)."""
+        """Run idx (B, T) at positions offset.. after `states` (None: from the start).
+
+        Returns (the last position's logits, the states)."""
         x, states = self.hidden_states(idx, offset=offset, states=states, return_state=True)
         return self.lm_head(x[:, -1]), states
 
     def decode_step(self, tok, pos, states):
         """prefill of one token per row, tok (B,), at position pos -> (logits (B, vocab), states).
-        pos: an int, or a (1,) long tensor on the device (no host copy); its shapes do not depend on
-        it, so DecodeGraph can replay it."""
+
+        pos: an int, or a (1,) long tensor on the device (no host copy); its shapes do not depend
+        on it, so DecodeGraph can replay it."""
         return self.prefill(tok[:, None], pos, states)                # tok[:, None] (B, 1)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None,
-                 eos_token_id=None, use_cache=True,
-                 cuda_graph=False):
-        """Append up to max_new_tokens tokens to idx (B, T), each drawn by sample(logits,
-        temperature, top_k). A row that produced eos_token_id (an int or a list) keeps producing it;
-        generation stops when every row has. use_cache: prefill, then one token at a time with each
-        layer's state (a KV cache for softmax, constant-size for linear maps and hybrids); otherwise
-        full forward passes (the reference; learned positions crop the context to block_size, as in
-        nanoGPT). cuda_graph: the step replayed as a CUDA graph (DecodeGraph; CUDA)."""
-        cfg, (B, T0) = self.config, idx.size()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_token_id=None,
+                 use_cache=True, cuda_graph=False):
+        """Append up to max_new_tokens tokens to idx (B, T), each drawn by sample().
+
+        Each token is sample(logits, temperature, top_k). A row that produced eos_token_id (an int
+        or a list) keeps producing it; generation stops when every row has. use_cache: prefill,
+        then one token at a time with each layer's state (a KV cache for softmax, constant-size for
+        linear maps and hybrids); otherwise full forward passes (the reference; learned positions
+        crop the context to block_size, as in nanoGPT). cuda_graph: the step replayed as a CUDA
+        graph (DecodeGraph; CUDA)."""
+        cfg = self.config
+        B, T0 = idx.size()
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         if use_cache and not self.rope and T0 + max_new_tokens - 1 > cfg.block_size:
             raise UsageError(
                 f"cached generation needs {T0 + max_new_tokens - 1} positions, more than "
-                "block_size="
-                             f"{cfg.block_size} (learned positions); generate fewer or use "
-                             "use_cache=False (crops)")
-        eos = None if eos_token_id is None else torch.as_tensor(eos_token_id,
-                                                                device=idx.device).view(-1)
+                f"block_size={cfg.block_size} (learned positions); "
+                "generate fewer or use use_cache=False (crops)")
+        eos = None   # eos_token_id as a (n,) tensor
+        if eos_token_id is not None:
+            eos = torch.as_tensor(eos_token_id, device=idx.device).view(-1)
         finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
         out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], 1)   # the tokens, preallocated
         states = graph = None
@@ -523,13 +562,15 @@ def sample(logits, temperature=1.0, top_k=None):
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
 
 class DecodeGraph:
-    """GPT.decode_step captured once as a CUDA graph and replayed for every token (mamba_ssm's
-    cg=True; HF's static cache with torch.compile). The states live in fixed buffers (KV caches
-    static, with room for `capacity` tokens; hybrids.static_state), the token and position in fixed
-    tensors; a replay launches the step's kernels at once, with no Python between them. compile: the
-    step first fused by torch.compile (inductor: fewer kernels than aten ops).
-        step = DecodeGraph(model, tok, pos, states, capacity)   # after a prefill; pos: tok's position
-        logits = step(tok)                                      # the next token's logits; pos moves on"""
+    """GPT.decode_step captured once as a CUDA graph and replayed for every token.
+
+    As mamba_ssm's cg=True, or HF's static cache with torch.compile. The states live in fixed
+    buffers (KV caches static, with room for `capacity` tokens; hybrids.static_state), the token and
+    position in fixed tensors; a replay launches the step's kernels at once, with no Python between
+    them. compile: the step first fused by torch.compile (inductor: fewer kernels than aten ops).
+    After a prefill (pos: tok's position):
+        step = DecodeGraph(model, tok, pos, states, capacity)
+        logits = step(tok)   # the next token's logits; pos moves on"""
 
     def __init__(self, model, tok, pos, states, capacity, compile=False):
         if tok.device.type != 'cuda':
@@ -538,21 +579,22 @@ class DecodeGraph:
             raise UsageError(
                 "cosformer's features depend on the position on the host: no CUDA graph")
         self.states = [LayerState(static_state(s.attn, capacity), s.conv) for s in states]
-        # tokens it may decode
-        self.tok, self.pos, self.left = tok.clone(), pos.clone(), capacity - int(pos)
+        self.tok = tok.clone()
+        self.pos = pos.clone()
+        self.left = capacity - int(pos)   # tokens it may decode
         step = torch.compile(model.decode_step, dynamic=False) if compile else model.decode_step
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # warm-up off the graph: lazy initialisation, kernel
-                                        # compilation
+        # warm-up off the graph: lazy initialisation, kernel compilation
+        with torch.cuda.stream(side):
             for _ in range(2):
                 step(self.tok, self.pos, self.states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits, new_states = step(self.tok, self.pos, self.states)
-            copy_state_(self.states, new_states)   # what the step made anew, back into the fixed
-                                                   # buffers
+            # what the step made anew, back into the fixed buffers
+            copy_state_(self.states, new_states)
             self.pos.add_(1)
 
     def __call__(self, tok):
@@ -564,8 +606,9 @@ class DecodeGraph:
         return self.logits
 
 class Bert(Transformer):
-    """A bidirectional encoder (family bert): the body, a pooler, and a classifier when
-    config.num_labels > 0."""
+    """A bidirectional encoder (family bert): the body, a pooler, and a classifier.
+
+    The classifier is there when config.num_labels > 0."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -586,12 +629,13 @@ class Bert(Transformer):
         return torch.tanh(self.pooler(hidden[:, 0]))
 
     def classify(self, idx, attention_mask=None, token_type_ids=None, labels=None):
-        """Sequence classification: (logits (B, num_labels), loss or None); num_labels 1: regression
-        (MSE)."""
+        """Sequence classification: (logits (B, num_labels), loss or None).
+
+        num_labels 1: regression (MSE)."""
         if self.config.num_labels <= 0:
             raise ValueError("classify() needs num_labels > 0 (load with num_labels=N)")
-        logits = self.classifier(self.transformer.drop(
-            self.pool(self(idx, attention_mask, token_type_ids))))
+        pooled = self.pool(self(idx, attention_mask, token_type_ids))
+        logits = self.classifier(self.transformer.drop(pooled))
         if labels is None:
             return logits, None
         if self.config.num_labels == 1:
@@ -603,15 +647,17 @@ def build(config):
 
 # ---- load and save: one loader for every format, one checkpoint format ------
 def load(path, **overrides):
-    """(model, extra) from our checkpoint (save(); out_dir/ckpt.pt or its folder; a converted
-    model's names its base and holds only what the conversion added), an HF folder (config.json +
-    safetensors / .bin, sharded or not) or hub name (needs internet), or a llama.cpp .gguf file
-    (dequantised to float32). `overrides` are GPTConfig fields (attn='hedgehog:feature_dim=64',
-    num_labels=2, ...). Only new attention parameters may be absent; when `attn` changes a layer's
-    map in our checkpoint, its trained core is re-initialised (with a message); a change of `impl`,
-    `sinks`, `cache`, `decay` or `nope` alone keeps it (a decay added at load starts at its
-    half-life). model.tokenizer is the checkpoint's own (or None). extra: what save(**extra) stored,
-    and 'base' (a conversion's starting model)."""
+    """(model, extra) from our checkpoint, an HF folder or hub name, or a llama.cpp .gguf file.
+
+    Our checkpoint: save()'s out_dir/ckpt.pt or its folder; a converted model's names its base and
+    holds only what the conversion added. An HF folder: config.json + safetensors / .bin, sharded or
+    not; a hub name needs internet. A .gguf file is dequantised to float32. `overrides` are
+    GPTConfig fields (attn='hedgehog:feature_dim=64', num_labels=2, ...). Only new attention
+    parameters may be absent; when `attn` changes a layer's map in our checkpoint, its trained core
+    is re-initialised (with a message); a change of `impl`, `sinks`, `cache`, `decay` or `nope`
+    alone keeps it (a decay added at load starts at its half-life). model.tokenizer is the
+    checkpoint's own (or None). extra: what save(**extra) stored, and 'base' (a conversion's
+    starting model)."""
     names = [f.name for f in fields(GPTConfig)]
     bad = sorted(set(overrides) - set(names))
     if bad:
@@ -619,24 +665,24 @@ def load(path, **overrides):
     return _load(str(path), overrides)
 
 def _file_kind(path):
-    """'ours' (a zip, as torch.save writes) or 'gguf' by the first bytes; else a UsageError:
-    neither, or cut short."""
+    """'ours' (a zip, as torch.save writes) or 'gguf', by the first bytes.
+
+    Else a UsageError: neither, or cut short."""
     with open(path, 'rb') as f:
         kind = {b'PK\x03\x04': 'ours', b'GGUF': 'gguf'}.get(f.read(4))
     if kind is None:
         raise UsageError(
             f"{path} is not a checkpoint: neither ours (train.py, convert.py), a HuggingFace "
-            "folder "
-                         "nor a GGUF file")
-    if kind == 'ours' and not zipfile.is_zipfile(path):   # its zip directory, at the end, is
-                                                          # missing
+            "folder nor a GGUF file")
+    if kind == 'ours' and not zipfile.is_zipfile(path):   # its zip directory, at the end, is gone
         raise UsageError(
             f"{path} is cut short (an interrupted copy or save?): not a whole checkpoint")
     return kind
 
 def _load(path, overrides, as_base=False):
-    """load(); as_base: the base of a converted model, whose new tensors (new_tensor_names) the
-    conversion holds."""
+    """load(); as_base: the base of a converted model.
+
+    The conversion's file holds that base's new tensors (new_tensor_names)."""
     ckpt = os.path.join(path, 'ckpt.pt') if os.path.isdir(path) else path
     kind = _file_kind(ckpt) if os.path.isfile(ckpt) else None
     if kind == 'gguf':
@@ -670,9 +716,13 @@ def _new_model(kwargs, overrides, source):
     return build(GPTConfig(**{**kwargs, **overrides}))
 
 def new_tensor_names(model):
-    """What a conversion adds, found by type: (the state-dict names of every attention core's
-    tensors (maps, window factors) and LoRA factor, {layer: its core's name prefix})."""
-    cores, names, prefixes = {id(c): i for i, c in enumerate(model.attention_cores())}, set(), {}
+    """What a conversion adds, found by type: (state-dict names, {layer: its core's name prefix}).
+
+    The names are those of every attention core's tensors (maps, window factors) and LoRA
+    factor."""
+    cores = {id(c): i for i, c in enumerate(model.attention_cores())}   # id -> layer
+    names = set()
+    prefixes = {}
     for name, m in model.named_modules():
         if id(m) in cores:
             prefixes[cores[id(m)]] = name + '.'
@@ -682,15 +732,15 @@ def new_tensor_names(model):
     return names, prefixes
 
 def _own_tensors(model, sd=None):
-    """The state dict (or `sd`) less a tied lm_head.weight (the same tensor as
-    transformer.wte.weight)."""
+    """The state dict (or `sd`) less a tied lm_head.weight (it is transformer.wte.weight)."""
     return {k: v for k, v in (sd or model.state_dict()).items()
             if not (model.config.tie_embeddings and k == 'lm_head.weight')}
 
 def save(path, model, base=None, keep=(), tensors=None, **extra):
-    """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path`
-    atomically. base: the model this one was converted from (a path or hub name): then only the new
-    tensors (attention cores, LoRA, and names starting with a prefix in `keep`, e.g. a new
+    """Write model (config, weights, tokenizer) and `extra` (e.g. optimizer state) to `path`.
+
+    Written atomically. base: the model this one was converted from (a path or hub name): then only
+    the new tensors (attention cores, LoRA, and names starting with a prefix in `keep`, e.g. a new
     classifier) are written; load() rebuilds the rest. tensors: the state dict to write instead of
     the model's (an FSDP-sharded model's, gathered: convert.py)."""
     new = new_tensor_names(model)[0]
@@ -712,43 +762,43 @@ def save(path, model, base=None, keep=(), tensors=None, **extra):
 def _load_ours(path, overrides, as_base):
     try:
         obj = torch.load(path, map_location='cpu', weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError) as e:   # a zip torch.save did not write, or a
-                                                          # damaged one
+    except (RuntimeError, pickle.UnpicklingError) as e:
+        # a zip that torch.save did not write, or a damaged one
         raise UsageError(
             f"{path} is not a checkpoint torch can read: {str(e).splitlines()[0]}") from None
     if not isinstance(obj, dict) or not {'config', 'model'} <= set(obj):
         raise UsageError(f"{path} is not a checkpoint written by model.save")
-    saved, base = GPTConfig(**obj['config']), obj.get('base')
+    saved = GPTConfig(**obj['config'])
+    base = obj.get('base')
     want = {**obj['config'], **overrides}
-    if 'attn' in overrides and 'layer_attn' not in overrides:   # the new attention on the converted
-                                                                # layers, if some
+    if 'attn' in overrides and 'layer_attn' not in overrides:
         converted = [i for i in range(saved.n_layer)
                      if saved.layer_attn.get(i, saved.attn) != 'softmax']
-        partial = 0 < len(converted) < saved.n_layer                # layers left softmax stay
-                                                                    # softmax
-        want['attn'], want['layer_attn'] = (saved.attn, dict.fromkeys(converted, overrides[
-            'attn'])) if partial else \
-            (overrides['attn'], {})
+        # some layers converted: the new attention on those, the layers left softmax stay softmax
+        if 0 < len(converted) < saved.n_layer:
+            want['attn'] = saved.attn
+            want['layer_attn'] = dict.fromkeys(converted, overrides['attn'])
+        else:
+            want['layer_attn'] = {}
     if base:   # a converted model: the base first, with the saved attention and adapters
         model, _ = _load(base, {k: v for k, v in want.items() if k != 'family'}, as_base=True)
     else:
         model = build(GPTConfig(**want))
-    spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)),
-                                  impl='chunked', sinks=0, cache=0,
-                                  decay=0, nope=0)
+    # a layer's map, less the options a trained core survives
+    spec = lambda cfg, i: replace(AttnSpec.parse(cfg.layer_attn.get(i, cfg.attn)),   # noqa: E731
+                                  impl='chunked', sinks=0, cache=0, decay=0, nope=0)
     changed = [i for i in range(saved.n_layer) if spec(saved, i) != spec(model.config, i)]
     if changed and not as_base:
-        print(
-            f"{path}: attention of layers {changed} changed to {overrides.get('attn')}: their "
-            "cores are "
-              "re-initialised")
+        print(f"{path}: attention of layers {changed} changed to {overrides.get('attn')}: "
+              "their cores are re-initialised")
     new, prefixes = new_tensor_names(model)
     kept = lambda k: not any(k.startswith(prefixes[i]) for i in changed)   # noqa: E731
-    tensors, own = {k: v for k, v in obj['model'].items() if kept(k)}, _own_tensors(model)
-    need = (set() if as_base and base   # a base with a base of its own: the outer file holds every
-                                        # new tensor
-            else {k for k in own if kept(k) and ((k in new) if base
-                                                 else not (as_base and k in new))})
+    tensors = {k: v for k, v in obj['model'].items() if kept(k)}
+    own = _own_tensors(model)
+    # a converted model's file holds its new tensors; a base's (or a plain model's), the rest
+    need = {k for k in own if kept(k) and (k in new if base else not (as_base and k in new))}
+    if as_base and base:   # a base with a base of its own: the outer file holds every new tensor
+        need = set()
     # a decay added at load
     need -= {k for k in own if k.endswith('.decay_rate') and k not in tensors}
     _copy_checked(f"cannot load checkpoint {path}", own, tensors,
@@ -759,17 +809,18 @@ def _load_ours(path, overrides, as_base):
 
 def _fmt(names, limit=20):
     names = sorted(names)
-    return ', '.join(names[:limit]) + (f', ... ({len(names) - limit} more)'
-                                       if len(names) > limit else '')
+    more = f', ... ({len(names) - limit} more)' if len(names) > limit else ''
+    return ', '.join(names[:limit]) + more
 
 def _copy_checked(header, own, tensors, kmap, need, skip=(), where=''):
-    """Copy `tensors` (keyed by file names) into the model's state `own` via kmap {our name: (file
-    name, transform)}, or raise one ValueError naming every missing (of `need`), unexpected (beyond
-    `skip`) and mis-shaped one."""
+    """Copy `tensors` (keyed by file names) into the model's state `own`, or raise one error.
+
+    kmap: {our name: (file name, transform)}. The one UsageError names every missing (of `need`),
+    unexpected (beyond `skip`) and mis-shaped tensor."""
     mapped = {k: kmap[k][1](tensors[kmap[k][0]]) for k in own if kmap[k][0] in tensors}
     problems = sorted(
         {f"{kmap[k][0]}: file {tuple(tensors[kmap[k][0]].shape)} vs model {tuple(own[k].shape)}"
-                       for k, t in mapped.items() if t.shape != own[k].shape})
+         for k, t in mapped.items() if t.shape != own[k].shape})
     bad = (('missing', {kmap[k][0] for k in need} - set(tensors)),
            ('unexpected', set(tensors) - {kmap[k][0] for k in own} - set(skip)))
     msg = [f"{what} keys{where}: {_fmt(names)}" for what, names in bad if names]
@@ -782,17 +833,16 @@ def _copy_checked(header, own, tensors, kmap, need, skip=(), where=''):
 
 # ---- HuggingFace checkpoints ------------------------------------------------
 def hf_config_to_kwargs(hf):
-    """HF config.json dict -> GPTConfig keyword arguments (GPT-2, Llama, BERT; anything else is an
-    error)."""
-    mt, get = hf.get('model_type'), hf.get
+    """HF config.json dict -> GPTConfig keyword arguments: GPT-2, Llama, BERT; else an error."""
+    get = hf.get
+    mt = get('model_type')
     if mt == 'gpt2':
         if get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh') or \
                 get('scale_attn_by_inverse_layer_idx') or not get('scale_attn_weights', True):
             raise UsageError(
                 "GPT-2 variants other than gelu_new with scale_attn_weights are not supported")
         return dict(family='gpt2', vocab_size=hf['vocab_size'], block_size=hf['n_positions'],
-                    n_layer=hf['n_layer'],
-                    n_head=hf['n_head'], n_embd=hf['n_embd'],
+                    n_layer=hf['n_layer'], n_head=hf['n_head'], n_embd=hf['n_embd'],
                     intermediate_size=get('n_inner') or 4 * hf['n_embd'],
                     norm_eps=get('layer_norm_epsilon', 1e-5),
                     tie_embeddings=get('tie_word_embeddings', True))
@@ -800,15 +850,13 @@ def hf_config_to_kwargs(hf):
         bias = get('attention_bias', False)
         if get('hidden_act', 'silu') != 'silu' or bias != get('mlp_bias', False) or \
                 get('head_dim') not in (None, hf['hidden_size'] // hf['num_attention_heads']):
-            raise UsageError(
-                "Llama variants other than silu, one bias flag, head_dim = hidden/heads are "
-                "unsupported")
+            raise UsageError("Llama variants other than silu, one bias flag, "
+                             "head_dim = hidden/heads are unsupported")
         rope = get('rope_parameters') or {}   # transformers >= 5
         theta = rope.get('rope_theta', get('rope_theta', 10000.0))
         scaling = {k: v for k, v in (get('rope_scaling') or rope).items() if k != 'rope_theta'}
         rope_inv_freq(2, theta, scaling)   # fail early on an unsupported rope_type
-        scaling = None if scaling.get('rope_type', scaling.get('type',
-                                                               'default')) == 'default' else scaling
+        scaling = None if _rope_type(scaling) == 'default' else scaling
         return dict(family='llama', vocab_size=hf['vocab_size'],
                     block_size=get('max_position_embeddings', 2048),
                     n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
@@ -818,26 +866,25 @@ def hf_config_to_kwargs(hf):
                     rope_theta=float(theta), rope_scaling=scaling,
                     tie_embeddings=get('tie_word_embeddings', False))
     if mt == 'bert':
-        if get('hidden_act', 'gelu') != 'gelu' or get('position_embedding_type',
-                                                      'absolute') != 'absolute':
+        if get('hidden_act', 'gelu') != 'gelu' or \
+                get('position_embedding_type', 'absolute') != 'absolute':
             raise UsageError(
                 "BERT variants other than exact gelu with absolute positions are not supported")
         clf = any(a.endswith('ForSequenceClassification') for a in get('architectures') or [])
-        num_labels = (len(hf['id2label']) if get('id2label')
-                      else get('num_labels', 2)) if clf else 0
+        num_labels = (len(get('id2label') or {}) or get('num_labels', 2)) if clf else 0
         return dict(family='bert', vocab_size=hf['vocab_size'],
                     block_size=hf['max_position_embeddings'],
                     n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
-                    n_embd=hf['hidden_size'],
-                    intermediate_size=hf['intermediate_size'],
+                    n_embd=hf['hidden_size'], intermediate_size=hf['intermediate_size'],
                     norm_eps=get('layer_norm_eps', 1e-12),
                     type_vocab_size=get('type_vocab_size', 2), num_labels=num_labels,
                     tie_embeddings=False)
     raise UsageError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
 
 def _hf_config(path):
-    """An HF config.json as GPTConfig keyword arguments; one that is cut short, not an object or
-    lacks a size is a UsageError naming it."""
+    """An HF config.json as GPTConfig keyword arguments.
+
+    One that is cut short, not an object or lacks a size is a UsageError naming it."""
     with open(path) as f:
         try:
             hf = json.load(f)
@@ -858,8 +905,9 @@ def _hf_folder(name_or_dir):
             raise FileNotFoundError(
                 f"{name_or_dir} has neither ckpt.pt nor config.json (a HuggingFace folder)")
         return name_or_dir
-    if name_or_dir.startswith(('/', '.', '~')) or name_or_dir.count(
-        '/') > 1 or os.path.splitext(name_or_dir)[1]:
+    # not a hub name ('org/model'): a path, or a file name
+    if name_or_dir.startswith(('/', '.', '~')) or name_or_dir.count('/') > 1 \
+            or os.path.splitext(name_or_dir)[1]:
         raise FileNotFoundError(f"no such checkpoint folder or file: {name_or_dir}")
     try:
         from huggingface_hub import snapshot_download
@@ -870,23 +918,23 @@ def _hf_folder(name_or_dir):
     except Exception as e:  # offline, unknown repo, gated model, ...
         raise UsageError(
             f"could not download {name_or_dir!r} from the HuggingFace hub ({type(e).__name__}: "
-            f"{e}); "
-                         "that needs internet access (and a token for gated models); or give a "
-                         "local folder") from e
+            f"{e}); that needs internet access (and a token for gated models); "
+            "or give a local folder") from e
     return folder
 
 def _read_hf_tensors(folder):
-    """Every tensor of a HF checkpoint folder: model.safetensors(.index.json) or
-    pytorch_model.bin(.index.json)."""
+    """Every tensor of a HF checkpoint folder.
+
+    From model.safetensors(.index.json), else pytorch_model.bin(.index.json)."""
     from safetensors.torch import load_file
     for name, read in (('model.safetensors', load_file),
-                       ('pytorch_model.bin', lambda p: torch.load(p, map_location='cpu',
-                                                                  weights_only=True))):
+                       ('pytorch_model.bin',
+                        lambda p: torch.load(p, map_location='cpu', weights_only=True))):
         index = os.path.join(folder, name + '.index.json')
         if os.path.isfile(index):
             with open(index) as f:
-                files = [os.path.join(folder, s) for s in sorted(
-                    set(json.load(f)['weight_map'].values()))]
+                files = [os.path.join(folder, s)
+                         for s in sorted(set(json.load(f)['weight_map'].values()))]
         elif os.path.isfile(os.path.join(folder, name)):
             files = [os.path.join(folder, name)]
         else:
@@ -899,17 +947,20 @@ def _read_hf_tensors(folder):
         f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {folder}")
 
 def _hf_key_map(config):
-    """{our parameter name: (HF key, transform)} for everything loaded from a HF checkpoint (HF keys
-    after dropping GPT-2's 'transformer.' and BERT's 'bert.' prefixes)."""
-    C, fam, ident = config.n_embd, config.family, (lambda w: w)
+    """{our parameter name: (HF key, transform)} for everything loaded from a HF checkpoint.
+
+    The HF keys are those after dropping GPT-2's 'transformer.' and BERT's 'bert.' prefixes."""
+    C = config.n_embd
+    fam = config.family
+    ident = lambda w: w   # noqa: E731
     top, layer_prefix, layer = {
         'gpt2': (dict(wte='wte', wpe='wpe', ln_f='ln_f'), 'h.{}.',
                  {'attn.o_proj': 'attn.c_proj',
                   **{n: n for n in ('ln_1', 'ln_2', 'mlp.c_fc', 'mlp.c_proj')}}),
         'llama': (dict(wte='model.embed_tokens', ln_f='model.norm'), 'model.layers.{}.',
                   {'ln_1': 'input_layernorm', 'ln_2': 'post_attention_layernorm',
-                   **{f'attn.{p}': f'self_attn.{p}' for p in ('q_proj', 'k_proj',
-                                                              'v_proj', 'o_proj')},
+                   **{f'attn.{p}': f'self_attn.{p}'
+                      for p in ('q_proj', 'k_proj', 'v_proj', 'o_proj')},
                    **{f'mlp.{p}': f'mlp.{p}' for p in ('gate_proj', 'up_proj', 'down_proj')}}),
         'bert': (dict(wte='embeddings.word_embeddings', wpe='embeddings.position_embeddings',
                       wtt='embeddings.token_type_embeddings',
@@ -922,66 +973,67 @@ def _hf_key_map(config):
              for o, h in top.items()}
     names.update(lm_head=('lm_head', ident), pooler=('pooler.dense', ident),
                  classifier=('classifier', ident))
-    conv1d = (lambda w: w.t()) if fam == 'gpt2' else ident   # GPT-2's Conv1D weights are (in, out);
-                                                             # 1-D stay
+    # GPT-2's Conv1D weights are (in, out): transposed (1-D tensors stay as they are)
+    conv1d = (lambda w: w.t()) if fam == 'gpt2' else ident
     for i in range(config.n_layer):
-        o, h = f'transformer.h.{i}.', layer_prefix.format(i)
+        o = f'transformer.h.{i}.'   # our layer's prefix, and HF's
+        h = layer_prefix.format(i)
         names.update({o + ours: (h + hf, conv1d) for ours, hf in layer.items()})
         if fam == 'gpt2':   # one fused c_attn (in, 3C) -> q, k, v
-            names.update({o + f'attn.{p}': (h + 'attn.c_attn', lambda w,
-                                            j=j: w.t()[j * C:(j + 1) * C])
+            names.update({o + f'attn.{p}': (h + 'attn.c_attn',
+                                            lambda w, j=j: w.t()[j * C:(j + 1) * C])
                           for j, p in enumerate(('q_proj', 'k_proj', 'v_proj'))})
     return {f'{ours}.{p}': (f'{hf}.{p}', fn) for ours, (hf, fn) in names.items()
             for p in ('weight', 'bias')}
 
 def _load_hf_state(model, tensors, source, kmap=None, where=' in checkpoint'):
-    """Copy a HF state dict (or a GGUF file's tensors, given their kmap) into model. May be absent:
-    the new cores and adapters, a classifier requested on a checkpoint without one, a BERT pooler
-    (classify() then trains a new one; with a warning). Skipped: HF buffers, and other heads (with a
-    warning)."""
-    cfg, kmap = model.config, kmap or _hf_key_map(model.config)
+    """Copy a HF state dict (or a GGUF file's tensors, given their kmap) into model.
+
+    May be absent: the new cores and adapters, a classifier requested on a checkpoint without one, a
+    BERT pooler (classify() then trains a new one; with a warning). Skipped: HF buffers, and other
+    heads (with a warning)."""
+    cfg = model.config
+    kmap = kmap or _hf_key_map(cfg)
     prefix = {'gpt2': 'transformer.', 'bert': 'bert.'}.get(cfg.family, '')
     tensors = {k.removeprefix(prefix).replace('LayerNorm.gamma', 'LayerNorm.weight')
                .replace('LayerNorm.beta', 'LayerNorm.bias'): v for k, v in tensors.items()}
     new = new_tensor_names(model)[0]
     own = {k: t for k, t in _own_tensors(model).items() if k not in new}
-    absent_ok = {'classifier.weight',
-                 'classifier.bias'} if 'classifier.weight' not in tensors else set()
+    absent_ok = set()
+    if 'classifier.weight' not in tensors:
+        absent_ok |= {'classifier.weight', 'classifier.bias'}
     if cfg.family == 'bert' and not any(k.startswith('pooler.') for k in tensors):
         absent_ok |= {'pooler.weight', 'pooler.bias'}
         warnings.warn(
             f"{source}: the checkpoint has no pooler (pooler.dense.*); encode() is unaffected, the "
-                      "pooler of classify() is newly initialised and trains with the classifier")
+            "pooler of classify() is newly initialised and trains with the classifier")
     used = {kmap[k][0] for k in own}
     ignored = {k for k in set(tensors) - used if k.startswith(('cls.', 'classifier.', 'lm_head.'))}
     if ignored:
-        warnings.warn(
-            f"ignored {len(ignored)} checkpoint tensors this model does not use: "
-            f"{_fmt(ignored, 5)}")
+        warnings.warn(f"ignored {len(ignored)} checkpoint tensors this model does not use: "
+                      f"{_fmt(ignored, 5)}")
     buffers = {k for k in tensors if k.endswith(('.attn.bias', '.attn.masked_bias',
-                                                 'rotary_emb.inv_freq',
-                                                 'embeddings.position_ids'))}
+                                                 'rotary_emb.inv_freq', 'embeddings.position_ids'))}
     _copy_checked(f"cannot load {source!r} into a {cfg.family} model", own, tensors, kmap,
-                  set(own) - absent_ok,
-                  ignored | buffers, where)
+                  set(own) - absent_ok, ignored | buffers, where)
 
-# ---- GGUF files (llama.cpp): the config from the metadata, the tensors dequantised by gguf's own
-# reader
+# ---- GGUF files (llama.cpp) ----------------------------------------------------
+# The config from the metadata, the tensors dequantised by gguf's own reader.
 GGUF_TENSOR_TYPES = 'F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K'.split()
 # llama.cpp's names for HF Llama's: model.layers.N.<x> -> blk.N.<y>, and the three outside the
 # layers
 _GGUF_LAYER_NAMES = {'input_layernorm': 'attn_norm', 'self_attn.q_proj': 'attn_q',
-                     'self_attn.k_proj': 'attn_k',
-                     'self_attn.v_proj': 'attn_v', 'self_attn.o_proj': 'attn_output',
-                     'mlp.up_proj': 'ffn_up',
+                     'self_attn.k_proj': 'attn_k', 'self_attn.v_proj': 'attn_v',
+                     'self_attn.o_proj': 'attn_output', 'mlp.up_proj': 'ffn_up',
                      'post_attention_layernorm': 'ffn_norm', 'mlp.gate_proj': 'ffn_gate',
                      'mlp.down_proj': 'ffn_down'}
 _GGUF_TOP_NAMES = {'model.embed_tokens': 'token_embd', 'model.norm': 'output_norm',
                    'lm_head': 'output'}
 
 def gguf_key_map(config):
-    """_hf_key_map in llama.cpp's names ('blk.3.attn_q.weight' for
-    'model.layers.3.self_attn.q_proj.weight'), q and k rows unpermuted (unpermute_qk)."""
+    """_hf_key_map in llama.cpp's names, q and k rows unpermuted (unpermute_qk).
+
+    'blk.3.attn_q.weight' for 'model.layers.3.self_attn.q_proj.weight'."""
     m = {}
     for ours, (hf, fn) in _hf_key_map(config).items():
         head, _, suffix = hf.rpartition('.')
@@ -994,8 +1046,7 @@ def gguf_key_map(config):
     return m
 
 def gguf_config_to_kwargs(reader, path):
-    """GGUF metadata (a gguf.GGUFReader) -> GPTConfig keyword arguments. Architecture 'llama'
-    only."""
+    """GGUF metadata (a gguf.GGUFReader) -> GPTConfig keyword arguments; architecture 'llama'."""
     def get(key, default=...):
         f = reader.fields.get(key)
         if f is None and default is ...:
@@ -1004,25 +1055,28 @@ def gguf_config_to_kwargs(reader, path):
     if get('general.architecture') != 'llama':
         raise UsageError(
             f"{path}: GGUF architecture {get('general.architecture')!r} is not supported; "
-                         "supported: 'llama' (Llama 2/3, TinyLlama, SmolLM2, ...)")
-    n_embd, n_head = get('llama.embedding_length'), get('llama.attention.head_count')
-    n_kv_head, head_dim = get('llama.attention.head_count_kv', n_head), n_embd // n_head
+            "supported: 'llama' (Llama 2/3, TinyLlama, SmolLM2, ...)")
+    n_embd = get('llama.embedding_length')
+    n_head = get('llama.attention.head_count')
+    n_kv_head = get('llama.attention.head_count_kv', n_head)
+    head_dim = n_embd // n_head
     if not isinstance(n_kv_head, int):
-        raise UsageError(
-            f"{path}: per-layer head_count_kv {n_kv_head} is not supported (one value for all "
-            "layers)")
+        raise UsageError(f"{path}: per-layer head_count_kv {n_kv_head} is not supported "
+                         "(one value for all layers)")
     for key in ('rope.dimension_count', 'attention.key_length', 'attention.value_length'):
         if get('llama.' + key, head_dim) != head_dim:
             raise UsageError(
                 f"{path}: llama.{key} = {get('llama.' + key)} is not head_dim = embedding_length / "
-                             f"head_count = {head_dim}; only RoPE on the whole head is supported")
+                f"head_count = {head_dim}; only RoPE on the whole head is supported")
     names = {t.name for t in reader.tensors}
     scaling = get('llama.rope.scaling.type', 'none')
     if 'rope_freqs.weight' in names or scaling not in ('none', 'linear'):
-        what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)' if scaling == 'none' else repr(scaling)
+        what = repr(scaling)
+        if scaling == 'none':
+            what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)'
         raise UsageError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")
-    tokens = reader.fields.get('tokenizer.ggml.tokens')   # the vocabulary size when
-                                                          # llama.vocab_size is absent
+    # the vocabulary size when llama.vocab_size is absent
+    tokens = reader.fields.get('tokenizer.ggml.tokens')
     vocab = get('llama.vocab_size') if tokens is None else get('llama.vocab_size', len(tokens.data))
     return dict(family='llama', vocab_size=vocab, block_size=get('llama.context_length', 2048),
                 n_layer=get('llama.block_count'), n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
@@ -1046,8 +1100,9 @@ def unpermute_qk(w, n_heads):
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 def _read_gguf_tensors(reader, path):
-    """{GGUF name: float32 tensor in torch's (out, in) layout} of a GGUF file; every tensor type
-    checked."""
+    """{GGUF name: float32 tensor in torch's (out, in) layout} of a GGUF file.
+
+    Every tensor's type is checked."""
     import numpy as np
     from gguf.quants import dequantize
     out = {}
@@ -1055,7 +1110,7 @@ def _read_gguf_tensors(reader, path):
         if t.tensor_type.name not in GGUF_TENSOR_TYPES:
             raise UsageError(
                 f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported types: "
-                             f"{', '.join(GGUF_TENSOR_TYPES)}")
+                f"{', '.join(GGUF_TENSOR_TYPES)}")
         w = np.require(dequantize(t.data, t.tensor_type), np.float32, ['C', 'W'])
         out[t.name] = torch.from_numpy(w.reshape(tuple(reversed(t.shape.tolist()))))
     return out
