@@ -130,12 +130,8 @@ class FeatureMap(nn.Module):
 def _per_head_linear(x, weight, bias=None):
     """One Linear per head: x (..., H, T, D), weight (H, F, D), bias (H, F) -> (..., H, T, F), as
     one batched product over the heads (the weights are not copied: the rows of x are)."""
-    *lead, H, T, D = x.shape
-    rows = x.movedim(-3, 0).reshape(H, -1, D)                         # (H, N, D)
-    weight = weight.to(x.dtype).mT                                   # (H, D, F)
-    y = torch.bmm(rows, weight) if bias is None else \
-        torch.baddbmm(bias.to(x.dtype)[:, None], rows, weight)        # (H, N, F)
-    return y.view(H, *lead, T, -1).movedim(0, -3)
+    y = torch.einsum('...htd,hfd->...htf', x, weight.to(x.dtype))
+    return y if bias is None else y + bias.to(x.dtype)[:, None]
 
 class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D, no parameters."""

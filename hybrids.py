@@ -64,26 +64,24 @@ def _merge(a, b):
     ra, rb = exp_as(ma - m, a[0]), exp_as(mb - m, b[0])
     return a[0] * ra[..., None] + b[0] * rb[..., None], a[1] * ra + b[1] * rb, m
 
-def combine_window_linear(num_w, den_w, m, num_l, den_l, c, factor, combine='joint'):
+def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'):
     """The window and linear parts of the sliding-window hybrid combined, per query row: num_w,
-    den_w, m from _window_softmax; num_l, den_l the linear sums of shifted features (exact mass
-    exp(c) den_l); factor (H,).
+    den_w from _window_softmax (its m not needed); num_l, den_l the linear sums of shifted
+    features (exact mass exp(c) den_l); factor (H,).
       joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i)
             and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are <=
             gamma, on the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at sinks);
       mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
     As p y_window + (1 - p) y_linear, p the window part's share: for joint, gamma den_w against
     exp(c) den_l, in log space. A row without linear keys is the window part, one without window
-    keys the linear part, 0 with neither. Returns y and p, float32."""
-    has_w, has_l = den_w > 0, den_l > 0
-    den_w, den_l = den_w.where(has_w, 1.0), den_l.where(has_l, 1.0)
-    y_w, y_l = num_w / den_w[..., None], num_l / den_l[..., None]      # each part normalised
-    f = factor.to(den_w.dtype).view(-1, *([1] * (den_w.dim() - 2)))   # (H, 1..) against (B, H, ..)
-    p = torch.sigmoid(f.log() + den_w.log() - c.to(den_w.dtype)
-                      - den_l.log()) if combine == 'joint' else \
-        f.expand_as(den_w)
+    keys the linear part, 0 with neither. Returns y and p, float32 (Window.step: the same for one
+    query, in fewer ops)."""
+    has_w, has_l = den_w > 0, den_l > 0   # (an empty part's den 1 in the log: no nan in a gradient)
+    f = factor.to(den_w.dtype)[:, None]                               # (H, 1) against (B, H, T)
+    ratio = f * den_w.where(has_w, 1.0) / den_l.where(has_l, 1.0)
+    p = torch.sigmoid(torch.log(ratio) - c.to(den_w.dtype)) if combine == 'joint' else f
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)
-    return y_l + p[..., None] * (y_w - y_l), p
+    return torch.lerp(divide(num_l, den_l), divide(num_w, den_w), p[..., None]), p
 
 def _window_part(q, k, v, w, n_sinks, causal, keys):
     """The softmax part of the window hybrid, unnormalised (num, den, m) per row (B, H, T, ..): the
@@ -133,7 +131,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     n_sinks = min(spec.sinks, T)
     keys = key_padding_mask if key_padding_mask is not None else \
         torch.ones(B, T, dtype=torch.bool, device=q.device)
-    num_w, den_w, m_w = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
+    num_w, den_w, _ = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
         return divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
     is_sink = torch.arange(T, device=q.device) < n_sinks     # sinks are not in the linear part
@@ -144,7 +142,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
         back = _linear_part(*flipped, spec.window, spec.impl, chunk_size)
         linear = _merge(linear, [x.flip(2) for x in back])
     num_l, den_l, m_l = linear
-    y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l, c_q + m_l, factor,
+    y, share = combine_window_linear(num_w, den_w, num_l, den_l, c_q + m_l, factor,
                                      spec.combine)
     return y.to(v.dtype), share
 
@@ -208,7 +206,7 @@ class LinearState:
     def read(self, phi_q):
         """num (B, H, L, D) = phi_q S and den (B, H, L) = phi_q . z of queries phi_q (B, H, L, F),
         in its units."""
-        return phi_q @ self.S, (phi_q * self.z[:, :, None]).sum(-1)
+        return phi_q @ self.S, torch.einsum('bhlf,bhf->bhl', phi_q, self.z)
 
 @dataclass(frozen=True)
 class Slots:
@@ -301,7 +299,9 @@ class Attention(nn.Module):
     inside, the q, k the maps see (nope). A family writes parallel (all tokens from the start) and
     step (one token after a state); decode (tokens after a state) runs the steps unless it has a
     faster way. max_len: cosformer's M unless the spec sets it. share: a window forward's share of
-    attention on the softmax part per row (B, H_rest, T), detached.
+    attention on the softmax part per row (B, H_rest, T), detached. forward's shared: a model step's
+    dict (model.hidden_states) where what depends on the position alone is made once for every layer
+    (Window.step's slots and masks); None: the call's own.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
         y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
@@ -343,8 +343,8 @@ class Attention(nn.Module):
         self.exact_q = heads[exact].flatten().tolist()   # the query heads kept exact
         self.rest_q = heads[[h for h in range(n_kv) if h not in exact]].flatten().tolist()
         order = torch.tensor(self.exact_q + self.rest_q).argsort().tolist()   # -> head order
-        for name, idx in (('exact_idx', self.exact_q), ('rest_idx', self.rest_q),
-                          ('order_idx', order)):
+        for name, idx in (('exact_idx', self.exact_q), ('exact_kv', heads[exact, 0].tolist()),
+                          ('rest_idx', self.rest_q), ('order_idx', order)):   # exact_kv: 1 per KV
             self.register_buffer(name, torch.tensor(idx, dtype=torch.long), persistent=False)
         self.fmap = None
         if spec.name != 'softmax' and self.mode != 'softmax':
@@ -365,8 +365,9 @@ class Attention(nn.Module):
     def extra_repr(self):
         return f"spec='{self.spec}', causal={self.causal}, kv_groups={self.kv_groups}"
 
-    def forward(self, q, k, v, state=None, return_state=False, key_padding_mask=None):
+    def forward(self, q, k, v, state=None, return_state=False, key_padding_mask=None, shared=None):
         A.check_qk(q, k, self.head_dim, self.n_heads)
+        self.shared = {} if shared is None else shared   # what the layers of a model step share
         if key_padding_mask is not None and self.causal:
             raise ValueError("key_padding_mask is for bidirectional (encoder) attention only")
         if state is not None and not self.causal:
@@ -374,11 +375,11 @@ class Attention(nn.Module):
         if not self.exact_q:
             y, state = self._run(q, k, v, state, return_state, key_padding_mask)
             return (y, state) if return_state else y
-        e, r, g = self.exact_idx, self.rest_idx, self.kv_groups   # the exact heads, the rest
-        qe, ke, ve = (x.index_select(1, e) for x in (q, k, v))
-        qr, kr, vr = (x.index_select(1, r) for x in (q, k, v))
-        ye, se = (softmax_decode(qe, ke, ve, g, state.exact) if state is not None else
-                  softmax_prefill(qe, ke, ve, g, self.causal, key_padding_mask, return_state))
+        qe = q.index_select(1, self.exact_idx)                   # the exact heads (k, v: H_kv's)
+        ke, ve = (x.index_select(1, self.exact_kv) for x in (k, v))
+        qr, kr, vr = (x.index_select(1, self.rest_idx) for x in (q, k, v))   # the rest
+        ye, se = (softmax_decode(qe, ke, ve, state.exact) if state is not None else
+                  softmax_prefill(qe, ke, ve, self.causal, key_padding_mask, return_state))
         yr, sr = self._run(qr, kr, vr, state and state.rest, return_state, key_padding_mask)
         y = torch.cat([ye.to(yr.dtype), yr], 1).index_select(1, self.order_idx)   # head order
         return (y, SplitState(se, sr)) if return_state else y
@@ -396,7 +397,9 @@ class Attention(nn.Module):
         return y.to(v.dtype), state
 
     def decode(self, q, k, v, state):
-        """Tokens after a state, one step each."""
+        """Tokens after a state, one step each (one token: the step alone)."""
+        if q.shape[2] == 1:
+            return self.step(q, k, v, state)
         ys = []
         for t in range(q.shape[2]):
             y, state = self.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
@@ -522,17 +525,17 @@ class KVCache:
         slots = torch.arange(self.k.shape[2], device=self.k.device)
         return self.k, self.v, (slots < self.pos)[None]   # (1, capacity)
 
-def softmax_prefill(q, k, v, g, causal=True, key_padding_mask=None, return_state=False):
-    """Exact softmax (SDPA) over the tokens, k and v of the H_kv heads (k[:, ::g]); a KV cache."""
-    k, v = k[:, ::g], v[:, ::g]   # (B, H_kv, T, D): the model's heads
+def softmax_prefill(q, k, v, causal=True, key_padding_mask=None, return_state=False):
+    """Exact softmax (SDPA) over the tokens, k and v of the H_kv heads (B, H_kv, T, D); a KV
+    cache."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     y = A.softmax_attention(q, k, v, causal, attn_mask=mask)
     return y, KVCache.start(k, v) if return_state and causal else None
 
-def softmax_decode(q, k, v, g, cache):
-    """Tokens after a KV cache: appended, then every query reads the cache (causal within the new
-    tokens)."""
-    st = cache.append(k[:, ::g], v[:, ::g])
+def softmax_decode(q, k, v, cache):
+    """Tokens after a KV cache, k and v of the H_kv heads: appended, then every query reads the
+    cache (causal within the new tokens)."""
+    st = cache.append(k, v)
     keys, values, mask = st.keys()
     if q.shape[2] > 1:
         mask = A.causal_mask(q.shape[2], st.n, q.device)
@@ -543,10 +546,10 @@ class Softmax(Attention):
     mode = 'softmax'
 
     def _run(self, q, k, v, state, return_state, key_padding_mask):
+        k, v = (x[:, ::self.kv_groups] for x in (k, v))   # (B, H_kv, T, D): the model's heads
         if state is None:
-            return softmax_prefill(q, k, v, self.kv_groups, self.causal,
-                                   key_padding_mask, return_state)
-        return softmax_decode(q, k, v, self.kv_groups, state)
+            return softmax_prefill(q, k, v, self.causal, key_padding_mask, return_state)
+        return softmax_decode(q, k, v, state)
 
 class Linear(Attention):
     """Linear attention (Katharopoulos et al. 2020) with the spec's map, its state (S, z, m) a
@@ -678,42 +681,61 @@ class Window(Attention):
         return WindowState(slots, linear, _position(k, T), T, N)
 
     def step(self, q, k, v, st):
-        """One token after st: written into its slot (a sink's own, or its ring slot, whose token
-        has left the window), the query attends to the slots (softmax) and to the folded pairs
-        (linear); then the token leaving the window for the next query is folded, its features made
-        again (in this order a step reads no slot it writes: a CUDA graph's warm-up may run it on
-        its state)."""
+        """One token after st: window_linear_attention for its query (B, H, 1, D) at position pos,
+        as the fused kernel computes it (kernels._decode_kernel: this is its reference), each term
+        one or two batched ops over every head:
+            y = y_l + p (y_w - y_l),  y_w = sum_j a_j v_j,  a_j = softmax_j(q.k_j / sqrt(D)) over
+            the slots,  y_l = phi(q) S / phi(q).z,  p = sigmoid(log(gamma den_w / den) - c) (joint)
+            or s (mix)
+        Line by line:
+          at          what depends on the position alone, made by a model step's first window
+                      layer, shared by the others (self.shared): slot, this token's (a sink's own
+                      while pos < sinks, else sinks + pos % W); leaving, the slot of the token at
+                      pos - back (back = W - 1), which leaves the window for the next query; filled,
+                      the slots holding a token once this one is written (bias: 0 there, -inf at
+                      the empty ones; real: the leaving slot's); pos + 1
+          slots       k, v written first, then read (the leaving pair too: with W = 1, this one):
+                      a step reads no slot's old contents that it overwrites, so on a static
+                      state (written in place) it runs again the same, as a CUDA graph's warm-up
+                      does; new tensors otherwise (st stays as it was)
+          a, y_w      the softmax part over the filled slots; its mass den_w = sum_j exp(s_j - m)
+                      is 1 / max_j a_j (m the largest score, whose weight is exp(0) / den_w)
+          k_out       the leaving pair, in the window still for this query, folded after it (the
+                      last lines), its key's features made again (phi_k, c_k)
+          num, den    the linear part, phi(q) S and phi(q).z over the tokens st holds (sinks ..
+                      pos - W)
+          f, c, p     the softmax part's share: joint, gamma den_w against exp(c) den (gamma = f,
+                      c the linear sums' scale), in log space; mix, s = f; 1 where den = 0
+          y           y_l: num / den, 0 where den = 0 (there p = 1)
+          linear      the leaving pair folded into S and z (with real False, before the sinks'
+                      end: 0)."""
         W, N, g = self.window, st.sinks, self.kv_groups
-        slot = st.pos if st.n < N else st.pos % W + N                       # (1,)
+        back = W - 1                       # the leaving token: back positions before this one
+        at = (W, N, st.n, st.pos.device)   # (the window layers' only key in self.shared)
+        if at not in self.shared:
+            slot = st.pos if st.n < N else st.pos % W + N
+            leaving, filled = (st.pos - back) % W + N, st.slots.pos.index_copy(0, slot, st.pos) >= 0
+            bias = torch.where(filled, 0.0, -math.inf)
+            self.shared[at] = slot, leaving, st.pos + 1, bias, filled[leaving]
+        slot, leaving, pos, bias, real = self.shared[at]
         slots = st.slots.write(slot, st.pos, k[:, ::g], v[:, ::g])
-        num, den, m = self._slots_softmax(q, slots)                         # (B, H, 1, D), (B, H,
-                                                                            # 1)
+        kq, vq = (x.repeat_interleave(g, 1) for x in (slots.k, slots.v))   # (B, H, L, D)
+        s = torch.einsum('bhtd,bhld->bhtl', q, kq)
+        a = torch.add(bias, s, alpha=q.shape[-1] ** -0.5).softmax(-1)      # (B, H, 1, L)
+        y_w = a @ vq                                                       # (B, H, 1, D)
         if st.linear is None:   # sliding-window softmax alone
-            return num / den[..., None], replace(st, slots=slots, pos=st.pos + 1, n=st.n + 1)
-        leaving = (st.pos + 1) % W + N   # the slot of the token leaving the window for the next
-                                         # query
-        k_out, v_out = (x.index_select(2, leaving).repeat_interleave(g, 1)
-                        for x in (slots.k, slots.v))
-        # (its features again)
-        phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=W - 1)
-        num_l, den_l = st.linear.read(phi_q)
-        y, _ = combine_window_linear(num, den, m, num_l, den_l, c_q + st.linear.m[..., None],
-                                     self.factor(), self.spec.combine)
-        if st.n + 1 - W < N:   # that token comes before the sinks' end: its slot is empty and
-                               # weighs 0
-            real = slots.pos.index_select(0, leaving) >= 0                  # (1,) bool
+            return y_w, WindowState(slots, None, pos, st.n + 1, N)
+        k_out, v_out = (x.index_select(2, leaving) for x in (kq, vq))
+        phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=back)
+        num, den = st.linear.read(phi_q)                                   # (B, H, 1, D), (B, H, 1)
+        f, c = self.factor()[:, None], c_q + st.linear.m[..., None]        # (H, 1), (B, H, 1)
+        p = torch.sigmoid(torch.log(f / (a.amax(-1) * den)) - c.to(den.dtype)) \
+            if self.spec.combine == 'joint' else f.where(den > 0, 1.0)    # (den 0: log inf, p 1)
+        y = torch.lerp((num / den[..., None]).nan_to_num(), y_w, p[..., None])
+        if st.n - back < N:   # the leaving token may come before the sinks' end: its slot empty
             phi_k, c_k = phi_k * real, c_k.masked_fill(~real, NO_KEY)
         linear = st.linear.add(phi_k, v_out, c_k if self.shifted else None)
-        return y, WindowState(slots, linear, st.pos + 1, st.n + 1, N)
-
-    def _slots_softmax(self, q, slots):
-        """One query per head q (B, H, 1, D) against the slots' pairs (B, H_kv, L, D) where their
-        pos >= 0, unnormalised (_window_softmax): the g query heads of a KV head are g rows of one
-        product."""
-        B, H, _, D = q.shape
-        qg = q.view(B, H // self.kv_groups, self.kv_groups, D)               # (B, H_kv, g, D)
-        num, den, m = _window_softmax(qg, slots.k, slots.v, slots.pos >= 0)
-        return num.view(B, H, 1, -1), den.view(B, H, 1), m.view(B, H, 1)
+        return y, WindowState(slots, linear, pos, st.n + 1, N)
 
     @torch.no_grad()
     def calibrate(self, q, k, key_padding_mask=None):
@@ -866,11 +888,11 @@ class Lola(Window):
                          torch.arange(o - len(st.buffer), o + n)]).to(q.device)   # keys' positions
         keys, vals = soft.k.repeat_interleave(g, 1), soft.v.repeat_interleave(g, 1)
         visible = pos <= torch.arange(o, o + n, device=q.device)[:, None]
-        num_w, den_w, m_w = _window_softmax(q, keys, vals, visible)
+        num_w, den_w, _ = _window_softmax(q, keys, vals, visible)
         phi_q, phi_k, c_q, c_k = self._features(q, k, o)
         num_l, den_l = st.linear.read(phi_q)
-        y, share = combine_window_linear(num_w, den_w, m_w, num_l, den_l, c_q
-                                         + st.linear.m[..., None], self.factor(), self.spec.combine)
+        y, share = combine_window_linear(num_w, den_w, num_l, den_l, c_q + st.linear.m[..., None],
+                                         self.factor(), self.spec.combine)
         return y, share, phi_k, c_k
 
     def _push(self, st, k, v, phi_k, c_k):

@@ -210,7 +210,8 @@ class SelfAttention(nn.Module):
         self.k_conv = ShortConv(nkv * hs, config.short_conv) if config.short_conv else None
         self.core = make_core(config, spec)
 
-    def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
+    def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None,
+                shared=None):   # shared: a model step's, for its cores (hybrids.Window.step)
         B, T, C = x.size()
         nh = self.n_head
         nkv = self.n_kv_head
@@ -226,8 +227,7 @@ class SelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        y = self.core(q, k, v, state=state and state.attn, return_state=return_state,
-                      key_padding_mask=key_padding_mask)
+        y = self.core(q, k, v, state and state.attn, return_state, key_padding_mask, shared)
         if return_state:   # the core's state, and the conv's last K-1 inputs
             state = LayerState(y[1], conv_past)
             y = y[0]
@@ -277,13 +277,14 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None):
+    def forward(self, x, rope=None, state=None, return_state=False, key_padding_mask=None,
+                shared=None):
         if self.post_norm:  # BERT
             a, state = self.attn(x, rope, state, return_state, key_padding_mask)
             x = self.ln_1(x + a)
             return self.ln_2(x + self.mlp(x)), state
         # pre-norm: GPT-2, Llama
-        a, state = self.attn(self.ln_1(x), rope, state, return_state, key_padding_mask)
+        a, state = self.attn(self.ln_1(x), rope, state, return_state, key_padding_mask, shared)
         x = x + a
         return x + self.mlp(self.ln_2(x)), state
 
@@ -435,8 +436,9 @@ class Transformer(nn.Module):
         # (B, T) True = real
         kpm = None if attention_mask is None else attention_mask.to(idx.device).bool()
         new_states = []
+        shared = {}   # what the attention cores make once a step
         for i, block in enumerate(tr.h):
-            x, s = block(x, rope, None if states is None else states[i], return_state, kpm)
+            x, s = block(x, rope, None if states is None else states[i], return_state, kpm, shared)
             new_states.append(s)
         return (x if isinstance(self, Bert) else tr.ln_f(x)), (new_states if return_state else None)
 
