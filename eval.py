@@ -296,8 +296,11 @@ def report_generate(args):
         f'{tok.eos_id}); '
         f'{" vs ".join(n for n, _ in runs)}')
     rows = []
-    for p in generate_prompts(args, tok):
-        ids, row = tok.encode(p), {'prompt': p}
+    for p in generate_prompts(args, tok):   # (an empty prompt: after the end-of-text token)
+        ids, row = tok.encode(p) or [tok.eos_id], {'prompt': p}
+        if None in ids:
+            raise UsageError(f"--prompt {p!r}: an empty prompt starts after the end-of-text token, "
+                             f"and the tokenizer {tok.name} has none: give a prompt")
         log(f'\nprompt: {p!r}')
         for name, m in runs:
             t0 = time.perf_counter()

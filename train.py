@@ -696,6 +696,14 @@ def _start(params_or_optimizer, cfg, rt, resume):
                                                               # like)
     return opt, scaler, gen, step
 
+def write_summary(out_dir, summary):
+    """out_dir/summary.json, whole or not at all (written beside it, then renamed); what JSON has no
+    form for as its str."""
+    path = os.path.join(out_dir, 'summary.json')
+    with open(path + '.tmp', 'w') as f:
+        json.dump(summary, f, indent=2, default=str)
+    os.replace(path + '.tmp', path)
+
 def _open_log(path, step):
     """out_dir/log.jsonl with the rows before `step` (those of the run resumed), open to append."""
     with open(path + '.tmp', 'w') as f, open(path, 'a+') as old:
@@ -991,10 +999,7 @@ def train(cfg, explicit=frozenset()):
                    'n_params': model.get_num_params(), 'tokenizer': task.tokenizer,
                    'device': rt.device, 'dtype': rt.dtype, 'world_size': rt.world,
                    'torch': torch.__version__}
-        with open(os.path.join(cfg.out_dir, 'summary.json.tmp'), 'w') as f:
-            json.dump(summary, f, indent=2)
-        os.replace(os.path.join(cfg.out_dir, 'summary.json.tmp'),
-                   os.path.join(cfg.out_dir, 'summary.json'))
+        write_summary(cfg.out_dir, summary)
         print("final: " + ', '.join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in metrics.items()
                                     if not k.startswith('last_eval')) + f" ({_fmt_time(run['train_time_s'])} training)")
