@@ -698,7 +698,7 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     parts = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
     num, den, _, state = parts
     y = divide(num, den + eps).to(v.dtype)
-    shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
+    shifted = c_k is not None or len(initial_state or ()) > 2
     return (y, state if shifted else state[:2]) if return_state else y
 
 def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):

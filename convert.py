@@ -351,6 +351,8 @@ def load_task(cfg, model):
     %), or the GLUE task's train and dev sets."""
     tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (resolve: its ids fit the
                                                                         # model)
+    if cfg.passkey_mix:   # a stage-2 retrieval sample drawn before any work: its error now
+        passkey_batch(tok, torch.Generator(), cfg.block_size, 1)
     return train.Task(train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
                                        val_data=cfg.val_data, glue_task=cfg.glue_task,
                                        batch_size=cfg.batch_size, seq_len=cfg.block_size,
@@ -498,8 +500,12 @@ def transfer(model, task, cfg, rt, layers):
     """Stage 1: the teacher frozen (every core in teacher mode for the forward pass), only the
     converted cores' parameters train, each layer on its own teacher q, k, v (so all layers train at
     once). Under torchrun each process captures q, k, v on its own batches; the cores (whole on
-    every process) train under DDP."""
-    params = [p for l in layers for p in model.attention_cores()[l].parameters()]
+    every process) train under DDP. Only what the loss reaches trains: l2 alone reads the maps'
+    features, not a decay or a window factor (DDP stops at a trainable parameter without a
+    gradient)."""
+    cores, w = model.attention_cores(), cfg.weights
+    params = [p for l in layers for n, p in cores[l].named_parameters()
+              if n.startswith('fmap.') or w.get('ce') or w.get('mse')]
     if not params or not cfg.stage1_iters:
         print("stage 1: skipped" + ('' if cfg.stage1_iters else ' (0 steps)') + (
             ' (the map has no trainable parameters)' if not params else ''), flush=True)
@@ -507,7 +513,6 @@ def transfer(model, task, cfg, rt, layers):
     model.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
-    cores = model.attention_cores()
 
     def loss_fn(net, batch):   # net: the cores, or their DDP wrapper
         rec = _teacher_qkv(model, batch, layers, rt.device)
@@ -538,9 +543,13 @@ def passkey_batch(tok, gen, block_size, batch_size):
                                   template='train')[0]
         n_prompt = len(tok.encode(p['input']))
         ids = tok.encode(p['input'] + ' ' + p['target'])
-        if len(ids) - 1 > block_size:
-            raise UsageError(
-                f"--passkey_mix: a retrieval sample takes {len(ids) - 1} tokens, over --block_size")
+        if len(ids) - 1 > block_size:   # (then without filler, the shortest; passkey_prompts sizes
+            # the filler on its lines with blank lines between: 2 filler lines in block - 8 tokens)
+            useful = 8 + len(tok.encode(p['input'].replace('\n', '\n\n'))) + \
+                2 * len(tok.encode(train.PASSKEY_TEMPLATES['train'][1]))
+            raise UsageError(f"--passkey_mix: a retrieval sample takes at least {len(ids) - 1} "
+                             f"tokens, over --block_size {block_size}; from --block_size {useful} "
+                             "its key has filler before and after it (a depth)")
         xs.append(ids[:-1])
         ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])   # row i predicts ids[i + 1]: only the
                                                               # answer's rows

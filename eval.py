@@ -310,9 +310,12 @@ def report_generate(args):
     log(f'tokenizer: {tok.name}; greedy, {args.max_new_tokens} new tokens '
         f'(stop at EOS {tok.eos_id}); {" vs ".join(n for n, _ in runs)}')
     rows = []
-    for p in generate_prompts(args, tok):
-        ids = tok.encode(p)
+    for p in generate_prompts(args, tok):   # (an empty prompt: after the end-of-text token)
+        ids = tok.encode(p) or [tok.eos_id]
         row = {'prompt': p}
+        if None in ids:
+            raise UsageError(f"--prompt {p!r}: an empty prompt starts after the end-of-text "
+                             f"token, and the tokenizer {tok.name} has none: give a prompt")
         log(f'\nprompt: {p!r}')
         for name, m in runs:
             t0 = time.perf_counter()

@@ -130,7 +130,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     B, _, T, _ = q.shape
     n_sinks = min(spec.sinks, T)
     keys = key_padding_mask if key_padding_mask is not None else \
-        torch.ones(B, T, dtype=torch.bool, device=q.device)
+        q.new_ones(B, T, dtype=torch.bool)
     num_w, den_w, _ = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
         return divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
@@ -153,11 +153,9 @@ def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     n, pad = math.ceil(T / block), -T % block  # pad: to a whole number of blocks
     qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block,
                                                      t.shape[-1]) for t in (q, k, v))
-    keys = torch.ones(B, T, dtype=torch.bool,
-                      device=q.device) if key_padding_mask is None else key_padding_mask
+    keys = q.new_ones(B, T, dtype=torch.bool) if key_padding_mask is None else key_padding_mask
     mask = nnf.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
-    mask = mask & torch.ones(block, block, dtype=torch.bool,
-                             device=q.device).tril() if causal else mask
+    mask = mask & q.new_ones(block, block, dtype=torch.bool).tril() if causal else mask
     mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself:
                                                                        # finite
     return nnf.scaled_dot_product_attention(qb, kb, vb,
@@ -221,7 +219,7 @@ class Slots:
     def empty(k, v, L):
         """L empty slots for pairs shaped like k, v (B, H_kv, ., D)."""
         k, v = (x.new_zeros(*x.shape[:2], L, x.shape[3]) for x in (k, v))
-        return Slots(k, v, torch.full((L,), -1, dtype=torch.long, device=k.device))
+        return Slots(k, v, k.new_full((L,), -1, dtype=torch.long))
 
     def write(self, slot, position, k, v):
         """The slots with pairs k, v (B, H_kv, m, D) at `slot` ((m,) long, on the device), pos
@@ -230,6 +228,11 @@ class Slots:
         def put(x, src, dim=2):
             return x.index_copy_(dim, slot, src) if self.static else x.index_copy(dim, slot, src)
         return Slots(put(self.k, k), put(self.v, v), put(self.pos, position, 0), self.static)
+
+class Empty:
+    """The decode state of no tokens (a prefill of 0): the tokens after it run as from the start,
+    by the family's all-tokens form (softmax's: a KV cache of 0 tokens). False, as None."""
+    __bool__ = lambda self: False   # noqa: E731
 
 def state_tensors(state):
     """The tensors of a decode state (or a list of them), in order, nested states included."""
@@ -257,6 +260,8 @@ def static_state(state, capacity):
     if isinstance(state, LolaState):
         raise UsageError(
             "LoLA's cache (spec cache=) changes its shapes as it decodes: no CUDA graph")
+    if isinstance(state, Empty):
+        raise UsageError("a CUDA graph starts after a prompt of at least 1 token")
     if isinstance(state, WindowState) and state.n < state.sinks:
         raise UsageError(
             f"a CUDA graph starts after the sinks: a prompt of at least {state.sinks} tokens")
@@ -281,7 +286,7 @@ def copy_state_(dst, src):
 
 def _position(like, n):
     """n as a (1,) long tensor on like's device (made there: no copy from the host)."""
-    return torch.full((1,), n, dtype=torch.long, device=like.device)
+    return like.new_full((1,), n, dtype=torch.long)
 
 # ---- 3. the layer: the spec, the exact heads, the features ------------------------
 @dataclass(frozen=True)
@@ -385,8 +390,11 @@ class Attention(nn.Module):
         return (y, SplitState(se, sr)) if return_state else y
 
     def _run(self, q, k, v, state, return_state, key_padding_mask):
-        """The family on its heads, in float32 (float64 stays): y in v's dtype, and the new
-        state."""
+        """The family on its heads, in float32 (float64 stays): y in v's dtype, and the new state;
+        no tokens: (v, the state as it was, Empty if none)."""
+        state = state or None   # (tokens after Empty: from the start)
+        if not q.shape[2]:
+            return v, state or Empty()
         if state is not None and q.shape[2] == 1 and fused(self, q):   # one token, one launch
             return fused_step(self, q, k, v, state)
         with torch.autocast(q.device.type, enabled=False):
@@ -441,10 +449,15 @@ class Attention(nn.Module):
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         if self.spec.decay:
-            # (H, 1), (T,)
-            g, t = torch.exp(self.decay_rate).double()[:, None], _positions(q, start)
+            g, t = self.decay()[:, None], _positions(q, start)   # (H, 1), (T,)
             c_q, c_k = c_q - g * t, c_k + g * (t - back)
         return phi_q, phi_k, c_q, c_k
+
+    def decay(self):
+        """The decay's g (H,) float64, lambda = exp(-g): exp(decay_rate) in float32 (whatever the
+        parameter's dtype), then float64, on every path (the fused step's too): a prompt's keys and
+        the decoded ones shift by one g (two g were off by |g32 - g64| t: 2.7e-4 at 262K tokens)."""
+        return torch.exp(self.decay_rate.float()).double()
 
     @torch.no_grad()
     def calibrate(self, q, k, key_padding_mask=None):
@@ -464,7 +477,7 @@ def _positions(q, start):
 def _real(q, key_padding_mask):
     """(B, T) bool, True at the real tokens of q (B, H, T, D)."""
     if key_padding_mask is None:
-        return torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+        return q.new_ones(q.shape[0], q.shape[2], dtype=torch.bool)
     return key_padding_mask.bool()
 
 # ---- 4. the families ------------------------------------------------------------
@@ -581,19 +594,22 @@ class Linear(Attention):
 
 def fusable(core):
     """Whether core's step can run fused: the Linear and Window families with Hedgehog's map or
-    LoLCATs' (its skip the whole width), softmax or exp features, tiles kernels.decode_warps
-    serves."""
-    fm, spec = core.fmap, core.spec
-    ok = core.fuses and isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax',
-                                                                                   'exp') and \
-        (fm.weight.shape[1] == core.head_dim
-         or type(fm) is A.HedgehogFeatureMap) and core.window != 1 and \
-        kernels.decode_warps(fm.feature_dim, core.head_dim, spec.sinks + spec.window) > 0
-    if spec.impl == 'triton' and core.mode == 'window' and not ok:
-        raise UsageError(
-            f"attention spec '{spec}': impl=triton runs the window's decode step fused: a hedgehog "
-            "or " "lolcats map with softmax or exp features, a window of 2 or more")
-    return ok
+    LoLCATs' (its skip the whole width), softmax or exp features, tiles kernels.decode_warps serves.
+    A window spec with impl=triton that cannot: a UsageError naming the reason that applies."""
+    fm, spec, D, L = core.fmap, core.spec, core.head_dim, core.spec.sinks + core.window
+    why = "LoLA's cache (cache=) has none" if spec.cache else \
+        'a window without a map (softmax) has none' if fm is None or not core.fuses else \
+        'it takes a hedgehog or lolcats map with softmax or exp features' if not (
+            isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') and
+            (fm.weight.shape[1] == D or type(fm) is A.HedgehogFeatureMap)) else \
+        'it takes a window of 2 or more' if core.window == 1 else \
+        f'its tiles ({fm.feature_dim} features, {L} slots of sinks and window, each x head size ' \
+        f'{D}) exceed the 8,192 values it holds' if not kernels.decode_warps(fm.feature_dim, D, L) \
+        else ''
+    if spec.impl == 'triton' and core.mode == 'window' and why:
+        raise UsageError(f"attention spec '{spec}': impl=triton runs the window's decode step "
+                         f"fused, and {why}: use impl=chunked")
+    return not why
 
 def fused(core, x):
     """Whether core's one-token step on x runs fused_step: under torch.no_grad() (the kernel has no
@@ -620,7 +636,8 @@ def fused_step(core, q, k, v, st):
         core.kv_groups, core.window, core.spec.sinks,
         skip=type(fm) is A.LolcatsFeatureMap, log=fm.log_domain,
         mix=core.spec.combine == 'mix', theta=getattr(core, 'window_factor', None),
-        rate=getattr(core, 'decay_rate', None), inv_freq=core.inv_freq if core.spec.nope else None,
+        decay_g=core.decay() if core.spec.decay else None,
+        inv_freq=core.inv_freq if core.spec.nope else None,
         in_place=bool(slots and slots.static))
     if not window:
         return y, LinearState(S, z, m, st.n + 1, st.pos + 1)
@@ -748,8 +765,7 @@ class Window(Attention):
         q, k = q[:, self.rest_q], k[:, self.rest_q]
         T, real = q.shape[2], _real(q, key_padding_mask)
         j = torch.arange(T, device=q.device)
-        seen = A.causal_mask(T, T, q.device) if self.causal else torch.ones(
-            T, T, dtype=torch.bool, device=q.device)
+        seen = A.causal_mask(T, T, q.device) if self.causal else q.new_ones(T, T, dtype=torch.bool)
         # (T, T)
         soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen
         total, n = 0.0, 0

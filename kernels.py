@@ -134,7 +134,7 @@ def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=No
     decay = torch.exp(m0 - M)                                             # (B, H)
     S = S0 * decay[..., None, None] + kM.transpose(-2, -1) @ v_           # (B, H, F, D)
     z = z0 * decay[..., None] + kM.sum(2)                                 # (B, H, F)
-    shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
+    shifted = c_k is not None or len(initial_state or ()) > 2
     return y, ((S, z, M) if shifted else (S, z))
 
 if HAS_TRITON:
@@ -289,6 +289,13 @@ if HAS_TRITON:
         return rows, rows < T, m_before, m_after, i_bh * tl.cdiv(T, BLOCK_T) + j
 
     @triton.jit
+    def _shifts(C, M, i_bh, T, rows, mask_t):
+        """The rows' key shifts c and running max m (BT,): past the end no key, and a max no key
+        reaches (loaded where used, after the chunk's loop: fewer registers held across it)."""
+        return (tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30),
+                tl.load(M + i_bh * T + rows, mask=mask_t, other=1e30))
+
+    @triton.jit
     def _fwd_kernel(
         Q, K, V, Y, RDEN,     # (B*H, T, F), (B*H, T, F), (B*H, T, D), out (B*H, T, D), out (B*H, T)
         STATES, ZS,           # (B*H, NT, F, D), (B*H, NT, F): the state before each chunk
@@ -320,8 +327,7 @@ if HAS_TRITON:
             z = tl.load(z_j + offs_f, mask=mask_f, other=0.)
             qz += tl.sum(q.to(tl.float32) * z[None, :], axis=1)                        # (BT,)
 
-        c = tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30)     # (BT,) key shifts
-        m = tl.load(M + i_bh * T + rows, mask=mask_t, other=1e30)      # (BT,) rows' running max
+        c, m = _shifts(C, M, i_bh, T, rows, mask_t)                    # (BT,) each
         causal = rows[:, None] >= rows[None, :]
         A = tl.where(causal, A * tl.exp(tl.minimum(c[None, :] - m[:, None], 0.)), 0.)
         r = tl.exp(m_before - m)                                       # (BT,) state -> row units
@@ -374,8 +380,7 @@ if HAS_TRITON:
 
         rden = tl.load(RDEN + i_bh * T + rows, mask=mask_t, other=0.)      # (BT,)
         r = -tl.load(DELTA + i_bh * T + rows, mask=mask_t, other=0.) * rden  # (BT,) dL/dden
-        c = tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30)
-        m = tl.load(M + i_bh * T + rows, mask=mask_t, other=1e30)
+        c, m = _shifts(C, M, i_bh, T, rows, mask_t)
         causal = rows[:, None] >= rows[None, :]
         shifts = tl.exp(tl.minimum(c[None, :] - m[:, None], 0.))           # (BT, BT)
         G = tl.where(causal, (G * rden[:, None] + r[:, None]) * shifts, 0.)
@@ -421,8 +426,7 @@ if HAS_TRITON:
             PT += _dot(k, _tile(Q, offs_f, rows, 1, F, mask_f, mask_t), BF16, PRECISION)
             kdS += _dot(k, _tile(dS_j, offs_f, offs_d, D, 1, mask_f, mask_d), BF16, PRECISION)
 
-        c = tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30)
-        m = tl.load(M + i_bh * T + rows, mask=mask_t, other=1e30)
+        c, m = _shifts(C, M, i_bh, T, rows, mask_t)
         anticausal = rows[:, None] <= rows[None, :]                        # (BT_s, BT_t) s <= t
         PT = tl.where(anticausal, PT * tl.exp(tl.minimum(c[:, None] - m[None, :], 0.)), 0.)
         rden = tl.load(RDEN + i_bh * T + rows, mask=mask_t, other=0.)
@@ -635,7 +639,7 @@ if HAS_TRITON:
         Q, K, V, Y,               # (B, H, D) this token's q, k and v (GQA-repeated), out y (B, H,
                                   # D)
         MAP_W, MAP_B, INV_FREQ,   # the map's (H, FW, D), (H, FW); RoPE's (D/2,) (NOPE)
-        RATE, THETA,              # (H,) decay_rate (DECAY), window_factor (WINDOW)
+        DECAY_G, THETA,           # (H,) g float64 (DECAY), window_factor (WINDOW)
         S, Z, M, S2, Z2, M2,      # the linear state (B, H, F, D), (B, H, F), (B, H), in and out
         RK, RV, RP, RK2, RV2, RP2,   # WINDOW: the slots (B, H / G, L, D) x 2, (L,), in and out
         POS, H, D, FW, L, W, N,   # (1,) this token's position; the window, its sinks, L = N + W
@@ -678,8 +682,8 @@ if HAS_TRITON:
             phi_q, c_q, phi_k, c_k = _features(qn, kn, h, MAP_W, MAP_B, offs_d,
                                                D, FW, BU, SKIP, LOG)
             c_q, c_k = c_q.to(tl.float64), c_k.to(tl.float64)
-            if DECAY:   # lambda^(t - s) as shifts, in float64 as hybrids' (g = exp(decay_rate))
-                g = tl.exp(tl.load(RATE + h).to(tl.float64))
+            if DECAY:   # lambda^(t - s) as shifts, in float64 as hybrids' (g: made there, one way)
+                g = tl.load(DECAY_G + h)
                 c_q, c_k = c_q - g * pos, c_k + g * at
             if WINDOW:   # the softmax part first (the slots), then the linear state
                 q = tl.load(Q + row * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
@@ -695,56 +699,52 @@ if HAS_TRITON:
             S_h = _tile(S + row * F * D, rows_f, offs_d, D, 1, mask_f, mask_d)
             z_h = tl.load(Z + row * F + rows_f, mask=mask_f, other=0.)
             m_h = tl.load(M + row).to(tl.float64)
+            if not WINDOW:   # the token folded first (a window's linear part: read as it was)
+                S_h, z_h, m_h = _fold(S_h, z_h, m_h, phi_k, c_k, v)
+            num, den = tl.sum(phi_q[:, None] * S_h, 0), tl.sum(phi_q * z_h, 0)
+            y = tl.where(den > 0, num / tl.where(den > 0, den, 1.), 0.)   # the linear part
             if WINDOW:
-                num, den = tl.sum(phi_q[:, None] * S_h, 0), tl.sum(phi_q * z_h, 0)
                 share = 1. / (1. + tl.exp(-tl.load(THETA + h)))          # the window factor
                 if not MIX:   # joint: the window part's share of gamma den_w + exp(c) den
                     c = (c_q + m_h).to(tl.float32)
                     share = 1. / (1. + tl.exp(c + tl.log(tl.where(den > 0, den, 1.))
                                               - tl.log(share * tl.sum(a, 0))))
-                y_l = tl.where(den > 0, num / tl.where(den > 0, den, 1.), 0.)
-                y = y_l + tl.where(den > 0, share, 1.) * (y_w - y_l)
+                y = y + tl.where(den > 0, share, 1.) * (y_w - y)
                 if LOG or DECAY:   # (an empty slot: no key; else as a map without shifts, c = 0)
                     c_k = tl.where(real, c_k, -1e30)
                 S_h, z_h, m_h = _fold(S_h, z_h, m_h, tl.where(real, phi_k, 0.), c_k, v_out)
-            else:
-                S_h, z_h, m_h = _fold(S_h, z_h, m_h, phi_k, c_k, v)
-                num, den = tl.sum(phi_q[:, None] * S_h, 0), tl.sum(phi_q * z_h, 0)
-                y = tl.where(den > 0, num / tl.where(den > 0, den, 1.), 0.)
             tl.store(Y + row * D + offs_d, y.to(Y.dtype.element_ty), mask=mask_d)
             _store_state(S2 + row * F * D, Z2 + row * F, S_h, z_h, rows_f, offs_d,
                          D, mask_f, mask_d, 0)
             tl.store(M2 + row, m_h.to(M2.dtype.element_ty))
 
-def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, window=0,
-                sinks=0, skip=False, log=False, mix=False, theta=None, rate=None,
+def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, window=0, sinks=0,
+                skip=False, log=False, mix=False, theta=None, decay_g=None,
                 inv_freq=None, in_place=False):
     """One token of one layer's heads with a Hedgehog or LoLCATs map, in one launch of
     _decode_kernel (its reference: hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v
     GQA-repeated; pos (1,) long: the token's position; map_w (H, FW, D), map_b (H, FW); linear (S,
-    z, m); slots (k, v, pos) of a window (None: linear attention alone); theta, rate: the window
-    factor and the decay rate, raw, (H,); inv_freq: RoPE's (nope). in_place: the state's own buffers
-    are written (a CUDA graph's). -> y (B, H, 1, D) in v's dtype, the new linear state and slots."""
+    z, m); slots (k, v, pos) of a window (None: linear attention alone); theta: the window factor,
+    raw, (H,); decay_g: the decay's g (H,) float64, hybrids' Attention.decay() (lambda = exp(-g));
+    inv_freq: RoPE's (nope). in_place: the state's own buffers are written (a CUDA graph's). -> y
+    (B, H, 1, D) in v's dtype, the new linear state and slots."""
     (B, H, _, D), FW = q.shape, map_w.shape[1]
     q, k, v, *state = (x.contiguous() for x in (q, k, v, *linear, *(slots or ())))
     linear, slots = state[:3], state[3:] or None
     out = [(x if in_place else torch.empty_like(x)) for x in state]
     y = torch.empty_like(v)
     L = slots[0].shape[2] if slots else 1
-    some = slots[2] if slots else pos   # (an unused pointer where a part is off)
+    opt = [map_b if x is None else x for x in (inv_freq, decay_g, theta)]   # (unused pointers where
+    # a part is off; the slots' likewise: pos)
     # (eval.step_ops counts it)
     with _on_device(v), torch.profiler.record_function('triton::decode_step'):
         _decode_kernel[(B, H // kv_groups)](
-            q, k, v, y, map_w, map_b, inv_freq if inv_freq is not None else map_b,
-            rate if rate is not None else map_b,
-            theta if theta is not None else map_b, *linear, *out[:3],
-            *(slots or (some,) * 3), *(out[3:] or (some,) * 3), pos, H, D, FW, L,
-            max(window, 1), sinks,
+            q, k, v, y, map_w, map_b, *opt, *linear, *out[:3], *(slots or (pos,) * 3),
+            *(out[3:] or (pos,) * 3), pos, H, D, FW, L, max(window, 1), sinks,
             G=kv_groups, BD=triton.next_power_of_2(D), BU=triton.next_power_of_2(FW),
             BL=triton.next_power_of_2(L),
-            SKIP=skip, LOG=log, NOPE=inv_freq is not None, DECAY=rate is not None,
-            WINDOW=slots is not None, MIX=mix,
-            num_warps=decode_warps(2 * FW, D))
+            SKIP=skip, LOG=log, NOPE=inv_freq is not None, DECAY=decay_g is not None,
+            WINDOW=slots is not None, MIX=mix, num_warps=decode_warps(2 * FW, D))
     return y, tuple(out[:3]), tuple(out[3:]) or None
 
 def decode_warps(F, D, L=1):
@@ -782,7 +782,7 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     chunk_size = chunk_size or DEFAULT_CHUNK
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
-    shifted = c_k is not None or (initial_state is not None and len(initial_state) > 2)
+    shifted = c_k is not None or len(initial_state or ()) > 2
     if initial_state is None:   # no state: no key yet
         S0, z0, m0 = None, None, phi_q.new_full(phi_q.shape[:2], NO_KEY, dtype=torch.float32)
     else:

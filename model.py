@@ -154,8 +154,9 @@ class ShortConv(nn.Module):
         """x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)."""
         xx = (F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None
               else torch.cat([past.to(x.dtype), x], dim=1))           # (B, K-1+T, C)
-        # (B, C, T)
-        y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), groups=x.size(-1))
+        # (B, C, T) (padding 1, then dropped: T = 0 too)
+        y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), padding=1,
+                     groups=x.size(-1))[..., 1:-1]
         return y.transpose(1, 2), xx[:, x.size(1):]                 # and xx's last K-1 rows
 
 class LoRALinear(nn.Linear):
@@ -438,7 +439,7 @@ class Transformer(nn.Module):
         new_states = []
         shared = {}   # what the attention cores make once a step
         for i, block in enumerate(tr.h):
-            x, s = block(x, rope, None if states is None else states[i], return_state, kpm, shared)
+            x, s = block(x, rope, states and states[i], return_state, kpm, shared)
             new_states.append(s)
         return (x if isinstance(self, Bert) else tr.ln_f(x)), (new_states if return_state else None)
 
@@ -493,9 +494,10 @@ class GPT(Transformer):
     def prefill(self, idx, offset=0, states=None):
         """Run idx (B, T) at positions offset.. after `states` (None: from the start).
 
-        Returns (the last position's logits, the states)."""
+        Returns (the last position's logits, the states); T = 0: (None, states that decode as from
+        the start, hybrids.Empty)."""
         x, states = self.hidden_states(idx, offset=offset, states=states, return_state=True)
-        return self.lm_head(x[:, -1]), states
+        return self.lm_head(x[:, -1]) if idx.shape[1] else None, states
 
     def decode_step(self, tok, pos, states):
         """prefill of one token per row, tok (B,), at position pos -> (logits (B, vocab), states).
@@ -527,7 +529,7 @@ class GPT(Transformer):
         eos = None   # eos_token_id as a (n,) tensor
         if eos_token_id is not None:
             eos = torch.as_tensor(eos_token_id, device=idx.device).view(-1)
-        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        finished = idx.new_zeros(B, dtype=torch.bool)
         out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], 1)   # the tokens, preallocated
         states = graph = None
         for t in range(T0, T0 + max_new_tokens):   # t: the position of the token generated
@@ -535,7 +537,7 @@ class GPT(Transformer):
                 logits = self(out[:, 0 if self.rope else max(t - cfg.block_size, 0):t])[0][:, -1, :]
             elif states is None:
                 logits, states = self.prefill(idx)
-                pos = torch.full((1,), T0, dtype=torch.long, device=idx.device)   # the next input's
+                pos = idx.new_full((1,), T0, dtype=torch.long)   # the next input's
                 if cuda_graph:
                     graph = DecodeGraph(self, out[:, T0 - 1], pos, states, T0 + max_new_tokens)
             elif graph is not None:

@@ -1028,7 +1028,8 @@ def test_nope_calibration_sees_q_and_k_before_rope():
 def test_decay_float32_error_flat_in_position(spec):
     """Issue 52: a decay's shifts are positions, g t; made in float32 their error followed float32's spacing at g t
     (3.3e-4 at 64K tokens, half-life 16, against 2.9e-6 in the first 1K); in float64 it is flat: float32 against the
-    same core in float64 within 2e-6 over the first and the last 1K of 64K tokens, and in the steps after."""
+    same core in float64 within 2e-6 over the first and the last 1K of 64K tokens, and in the steps
+    after. (The float64 copy makes g = exp(decay_rate) as every path does, in float32: issue 61.)"""
     T, g = 65536, torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, T + 3, 8, generator=g) for _ in range(3))
     core = Hy.Attention(spec, 8, 2).eval()
@@ -1042,3 +1043,21 @@ def test_decay_float32_error_flat_in_position(spec):
             y, st = core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st, return_state=True)
             y64, st64 = ref(*(x[:, :, t:t + 1].double() for x in (q, k, v)), state=st64, return_state=True)
             assert rel_err(y.double(), y64) < 2e-6
+
+
+@pytest.mark.parametrize('spec,D,why', [
+    ('lolcats:window=64', 128, r"its tiles \(256 features, 64 slots .* 128\) exceed the 8,192 .*"),
+    ('lolcats:window=200', 64, r"its tiles \(128 features, 200 slots .* 64\) exceed the 8,192 .*"),
+    ('lolcats:window=8:cache=32', 64, r"LoLA's cache \(cache=\) has none"),
+    ('softmax:window=64', 64, r"a window without a map \(softmax\) has none"),
+    ('cosformer:window=4', 64, r"it takes a hedgehog or lolcats map with softmax or exp features"),
+    ('lolcats:window=1', 64, r"it takes a window of 2 or more")])
+def test_impl_triton_refusal_names_the_reason(spec, D, why):
+    """Issue 61: a window spec whose decode step cannot run fused is refused with impl=triton in
+    one line naming the reason that applies (it named the map and the window whatever the reason:
+    the tile size for Llama 3 8B's head size 128 at window 64, LoLA's cache, a window without a
+    map); the same spec at head size 64 with a window of 64 fuses."""
+    with pytest.raises(A.UsageError, match=f"impl=triton runs the window's decode step fused, and "
+                                           f"{why}: use impl=chunked$"):
+        Hy.Attention(f'{spec}:impl=triton', D, 2)
+    assert Hy.Attention('lolcats:window=64:impl=triton', 64, 2).fusable

@@ -565,6 +565,29 @@ def test_passkey_mix_draws_retrieval_batches_at_its_rate(tmp_path, text_file, mo
     assert M.load(str(tmp_path / 'pk'))[0] is not None
 
 
+def test_passkey_mix_refused_before_any_work_where_no_sample_fits(tmp_path, text_file, monkeypatch):
+    """Issue 61: --passkey_mix with a --block_size no retrieval sample fits (the shortest: 175 byte
+    tokens; the default block is 128) is refused in one line before any work (the swap,
+    calibration and stage 1 ran, then stage 2 stopped), naming the smallest useful block: there the
+    longest samples have filler before and after the key, a block smaller they do not."""
+    m = M.GPT(M.GPTConfig(family='llama', vocab_size=VOCAB, block_size=512, n_layer=1, n_head=2,
+                          n_kv_head=1, n_embd=16))
+    m.tokenizer = tokenizer.load_tokenizer('bytes')
+    M.save(tmp_path / 'tiny.pt', m)
+    monkeypatch.setattr(C, 'evaluate', lambda *a, **k: pytest.fail('work before the refusal'))
+    want = (r"^--passkey_mix: a retrieval sample takes at least 175 tokens, over --block_size 128; "
+            r"from --block_size \d+ its key has filler before and after it \(a depth\)$")
+    with pytest.raises(A.UsageError, match=want) as e:
+        _run(_args(str(tmp_path / 'tiny.pt'), text_file, tmp_path / 'pk', '--block_size', '128',
+                   '--passkey_mix', '0.25'))
+    useful, tok = int(re.search(r'from --block_size (\d+)', str(e.value)).group(1)), m.tokenizer
+    for block, before in ((useful, True), (useful - 1, False)):   # the longest prompts: block - 8
+        text = train.passkey_prompts(tok, [block - 8], depths=(100,), template='train')[0]['input']
+        at = text.index('The access code is')
+        assert ('Ships sail at night' in text[:at]) == before and 'Ships sail at night' in text[at:]
+    assert C.passkey_batch(tok, torch.Generator().manual_seed(0), 175, 4)[0].shape[1] <= 175
+
+
 def _top(scores, n):
     out = {}
     for i in sorted(range(scores.numel()), key=lambda i: -scores.flatten()[i])[:n]:
@@ -618,6 +641,52 @@ def test_dof_selection_sees_what_nope_maps_see(ckpts, monkeypatch):
     inv_freq = M.rope_inv_freq(8, model.config.rope_theta)
     want = _rope(q, 0, -inv_freq).transpose(1, 2).reshape(12, 4, 8).transpose(0, 1)   # (H, N, D) pooled
     torch.testing.assert_close(seen[0][0], want)
+
+
+@pytest.mark.parametrize('attn,loss,n', [('dof:window=4:decay=8', 'l2', 4),
+                                         ('dof:decay=8', 'l2+0*mse', 4),
+                                         ('dof:window=4:decay=8', 'ce+0.1*l2', 8)])
+def test_stage1_trains_what_its_loss_reaches(ckpts, text_file, tmp_path, monkeypatch, attn, loss,
+                                             n):
+    """Issue 61: every parameter stage 1 trains gets a gradient from its loss (DDP stops at one
+    that does not: "Expected to have finished reduction"), and only those: --loss l2 alone reads
+    the maps' features, so a decay and a window factor stay as they were (they trained under DDP:
+    a traceback on every rank). n: 2 layers' z and log_a of the dof maps (and decay, window)."""
+    fit, seen = train.fit, {}
+
+    def spy(module, params, loss_fn, next_batch, *a, **k):   # one loss's gradients, then fit
+        loss_fn(module, next_batch(torch.Generator().manual_seed(0))).backward()
+        seen.update(trained=params, reached=[p for p in module.parameters() if p.grad is not None])
+        module.zero_grad()
+        return fit(module, params, loss_fn, next_batch, *a, **k)
+    monkeypatch.setattr(train, 'fit', spy)
+    _run(_args(ckpts['llama'], text_file, tmp_path / 'o', '--attn', attn, '--loss', loss,
+               '--stage1_iters', '1', '--stage2_iters', '0'))
+    assert {id(p) for p in seen['trained']} == {id(p) for p in seen['reached']}
+    assert len(seen['trained']) == n
+
+
+@pytest.mark.slow
+def test_torchrun_l2_loss_with_a_decay_and_a_window_equals_one_process(ckpts, text_file, tmp_path):
+    """Issue 61: --loss l2 with a decay and a window (dof:window=4:decay=8), stage 1 under torchrun
+    (2 gloo processes, DDP): the maps train as in one process with the same global batch (within
+    1e-5), the decay and the window factor stay at their init (before: "Expected to have finished
+    reduction" on both ranks)."""
+    args = _args(ckpts['llama'], text_file, tmp_path / 'one', '--attn', 'dof:window=4:decay=8',
+                 '--loss', 'l2', '--grad_accum', '2', '--stage1_iters', '2', '--stage2_iters', '0')
+    _run(args)
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                        '--nproc_per_node=2', 'convert.py', *args, '--out_dir',
+                        str(tmp_path / 'ddp')], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS='1'), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = _saved(tmp_path / 'one')['model'], _saved(tmp_path / 'ddp')['model']
+    init = M.load(ckpts['llama'], attn='dof:window=4:decay=8')[0].state_dict()
+    assert a.keys() == b.keys() and any(k.endswith('decay_rate') for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5, msg=k)
+        if k.endswith(('decay_rate', 'window_factor')):
+            torch.testing.assert_close(b[k], init[k], msg=k)
 
 
 @pytest.mark.slow

@@ -453,6 +453,33 @@ def test_generate_next_to_teacher(tmp_path):
     assert res['samples'][0]['elu']['tokens'] == 5
 
 
+def test_generate_from_an_empty_prompt(tmp_path, capsys, monkeypatch):
+    """Issue 61: --generate --prompt '' (a traceback on the embedding's dtype, for the softmax
+    teacher too): an empty prompt starts after the end-of-text token, as lm-eval's empty context;
+    both models continue it as generate does from that token. A tokenizer without one: refused in
+    one line."""
+    import convert
+    _, ckpt = _tiny_gpt(tmp_path)
+    conv = str(tmp_path / 'conv')
+    assert convert.main(['--init_from', ckpt, '--data', _text_file(tmp_path), '--attn', 'hedgehog',
+                         '--block_size', '32', '--batch_size', '2', '--eval_batches', '1',
+                         '--stage1_iters', '0', '--stage2_iters', '0', '--out_dir', conv]) == 0
+    out = str(tmp_path / 'out')
+    argv = ['--generate', '--ckpt', conv, '--prompt', '', '--max_new_tokens', '4', '--out_dir', out]
+    assert _run(argv) == 0
+    row = _json(out, 'generate')['samples'][0]
+    for name, path in (('hedgehog', conv), ('softmax teacher', ckpt)):
+        m = ev.load_model(path)[0]
+        want = m.generate(torch.tensor([[256]]), 4, temperature=0.0, eos_token_id=256)[0, 1:]
+        want = bytes(t for t in want.tolist() if t < 256).decode('utf-8', 'replace')
+        assert row[name]['text'] == want
+    monkeypatch.setattr(tokenizer.ByteTokenizer, 'eos_id', None)
+    capsys.readouterr()
+    assert _run(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "an empty prompt starts after the end-of-text token" in err[0], err
+
+
 # ---- command line -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('argv,needle', [

@@ -546,7 +546,8 @@ def test_fused_decode_step_equals_the_pytorch_step_and_the_parallel_form(spec, p
 def test_fused_decode_step_error_is_flat_in_the_position(dtype):
     """Issue 53: fp32, bf16 and fp16 inputs (fp32 inside, the decay's shifts in float64): the fused step against the
     float64 PyTorch step on the same rounded inputs, within 1e-5 (fp32) or 2 eps(dtype) of max|y|, at position 20 as
-    at 65,536, with a decay (half-life 16) and nope."""
+    at 65,536, with a decay (half-life 16) and nope. (The float64 copy makes g as every path does,
+    float32's exp: issue 61; it made exp in float64 as the fused step did, sharing its error.)"""
     fused, ref = _cores('lolcats:window=8:decay=16:nope=1', D=16)
     ref64 = copy.deepcopy(ref).double()
     tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
@@ -562,6 +563,34 @@ def test_fused_decode_step_error_is_flat_in_the_position(dtype):
                 y, st = fused(*x, state=st, return_state=True)
                 y64, st64 = ref64(*(a.double() for a in x), state=st64, return_state=True)
                 assert y.dtype == dtype and (y.double() - y64).abs().max() <= tol * y64.abs().max(), (T, t)
+
+
+
+@needs_kernel
+@pytest.mark.parametrize('T', [65536, 262144])
+def test_decay_decodes_as_the_float32_parallel_form_far_into_a_sequence(T):
+    """Issue 61: g = exp(decay_rate) is made one way on every path, float32's exp then float64 (the
+    fused step made it in float64: the prompt's keys and the decoded ones shifted with two g, an
+    error of |g32 - g64| t: 1.2e-5 of max|y| at 65K tokens, 1.0e-4 at 262K here).
+    `lolcats:window=8:decay=16` prefilled with T tokens, then 3 steps fused and 3 on the PyTorch
+    step, against the float32 parallel form within 1e-6 of max|y|: the parallel form of the last
+    2,048 tokens from position 0, which the decay makes the whole sequence's (the earlier tokens
+    weigh < e^-40)."""
+    fused, ref = _cores('lolcats:window=8:decay=16', H=2, G=1)
+    assert float(-ref.decay_rate.exp().min() * 2000) < -40
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, 2, T + 3, 8, generator=g).to(DEV) for _ in range(3))
+    with torch.no_grad():
+        want = ref(*(x[:, :, -2048:] for x in (q, k, v)))[:, :, -3:]
+        _, st = ref(q[:, :, :T], k[:, :, :T], v[:, :, :T], return_state=True)
+        for core, grad in ((fused, False), (ref, True)):   # (under grad the step is PyTorch's)
+            s, outs = st, []
+            for t in range(T, T + 3):
+                with torch.set_grad_enabled(grad):
+                    y, s = core(*(x[:, :, t:t + 1] for x in (q, k, v)), state=s, return_state=True)
+                outs.append(y)
+            err = (torch.cat(outs, 2) - want).abs().max() / want.abs().max()
+            assert err < 1e-6, (T, grad, err.item())
 
 
 def _as(state, dtype):

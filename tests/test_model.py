@@ -755,6 +755,26 @@ def test_decode_branches_from_one_state(spec):
             torch.testing.assert_close(logits, model(seq)[0][:, -1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize('spec', STEP_SPECS + ['lolcats:window=3:cache=2:cache_block=2'])
+def test_an_empty_prefill_decodes_as_from_nothing(spec):
+    """Issue 61: a prefill of 0 tokens (a traceback in every linear family: "cannot reshape tensor
+    of 0 elements") gives no logits and the states of no tokens (hybrids.Empty; softmax's: a KV
+    cache of 0 tokens); decoding from them, a token at a time or a prompt at once, equals the full
+    forward; a CUDA graph on them is refused in one line (softmax's KV cache takes one)."""
+    model = tiny('llama', short_conv=2, attn=spec)
+    x = torch.randint(0, V, (2, 6))
+    logits, empty = model.prefill(x[:, :0])
+    full, states = model(x)[0], empty
+    assert logits is None
+    for t in range(6):
+        logits, states = model.decode_step(x[:, t], t, states)
+        torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.prefill(x, 0, empty)[0], full[:, -1], atol=1e-5, rtol=1e-5)
+    if spec != 'softmax':
+        with pytest.raises(M.UsageError, match='a CUDA graph starts after a prompt of at least 1'):
+            Hy.static_state(empty[0].attn, 8)
+
+
 def test_static_kv_cache_full_and_offset_prefill_errors():
     """Issue 52: decoding past a static KV cache's capacity (a CUDA graph's) is a clear error, not an index error
     inside the graph; a prefill at an offset without states, where a layer's maps depend on the position (nope,
