@@ -30,7 +30,8 @@ import torch.nn.functional as nnf   # F is the feature dimension
 
 import attention as A
 import kernels
-from attention import NO_KEY, UsageError, acc, divide, exp_as, linear_attention, linear_attention_parts
+from attention import (NO_KEY, UsageError, acc, divide, exp_as, linear_attention,
+                       linear_attention_parts)
 
 # ---- 1. the hybrids, all tokens at once ----------------------------------------
 def _band_blocks(x, w):
@@ -68,10 +69,12 @@ def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'
     """The window and linear parts of the sliding-window hybrid combined, per query row: num_w,
     den_w from _window_softmax (its m not needed); num_l, den_l the linear sums of shifted
     features (exact mass exp(c) den_l); factor (H,).
-      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights gamma exp(s_ij - m_i)
-            and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT compensated: window weights are <=
-            gamma, on the kernel's scale (an exact softmax window outweighs it by exp(m_i), e^20 and more at sinks);
-      mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l, s = factor.
+      joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights
+            gamma exp(s_ij - m_i) and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT
+            compensated: window weights are <= gamma, on the kernel's scale (an exact softmax
+            window outweighs it by exp(m_i), e^20 and more at sinks);
+      mix   (LoLCATs workshop paper, Eq. 8): y = s num_w / den_w + (1 - s) num_l / den_l,
+            s = factor.
     As p y_window + (1 - p) y_linear, p the window part's share: for joint, gamma den_w against
     exp(c) den_l, in log space. A row without linear keys is the window part, one without window
     keys the linear part, 0 with neither. Returns y and p, float32 (Window.step: the same for one
@@ -295,6 +298,19 @@ class SplitState:
     exact: 'KVCache'
     rest: object
 
+def exact_heads(spec, n_kv, causal, has_rope):
+    """The KV heads spec exact= keeps softmax, sorted, after the checks that need the layer (its
+    n_kv KV heads, whether it is causal and has RoPE): a UsageError naming the problem."""
+    exact = sorted({int(h) for h in spec.exact.split('+')} if spec.exact else ())
+    for bad, why in ((exact and exact[-1] >= n_kv, f"exact names KV heads of 0..{n_kv - 1}"),
+                     (spec.cache and not causal,
+                      "the sparse cache follows the tokens (causal models only)"),
+                     (spec.decay and not causal, "a decay weighs the past (causal models only)"),
+                     (spec.nope and not has_rope, "nope undoes RoPE, and this model has none")):
+        if bad:
+            raise UsageError(f"attention spec '{spec}': {why}")
+    return exact
+
 class Attention(nn.Module):
     """The attention of one layer, chosen by an AttnSpec (or its string): Attention(spec, ...)
     builds the family's class (section 4): Softmax (or every head exact), Linear, Window
@@ -309,7 +325,8 @@ class Attention(nn.Module):
     (Window.step's slots and masks); None: the call's own.
         y = core(q, k, v)                                            # (B, H, T, D)
         y, state = core(q, k, v, return_state=True)                  # prefill
-        y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state (the old one stays valid)"""
+        y, state = core(q1, k1, v1, state=state, return_state=True)  # decode: a new state
+                                                                     # (the old one stays valid)"""
     mode, fuses = None, False   # the family's name; whether its step may run fused (fused_step)
 
     def __new__(cls, spec='softmax', head_dim=0, n_heads=1, causal=True,
@@ -330,17 +347,11 @@ class Attention(nn.Module):
         if kv_groups < 1 or n_heads % kv_groups:
             raise ValueError(f"kv_groups must divide n_heads={n_heads}, got {kv_groups}")
         n_kv = n_heads // kv_groups
-        exact = sorted({int(h) for h in spec.exact.split('+')} if spec.exact else ())   # KV heads
-        for bad, why in ((exact and exact[-1] >= n_kv, f"exact names KV heads of 0..{n_kv - 1}"),
-                         (spec.cache and not causal,
-                          "the sparse cache follows the tokens (causal models only)"),
-                         (spec.decay and not causal,
-                          "a decay weighs the past (causal models only)"),
-                         (spec.nope and rope_inv_freq is None,
-                          "nope undoes RoPE, and this model has none")):
-            if bad:
-                raise UsageError(f"attention spec '{spec}': {why}")
-        self.head_dim, self.n_heads, self.causal, self.kv_groups = head_dim, n_heads, causal, kv_groups
+        exact = exact_heads(spec, n_kv, causal, rope_inv_freq is not None)   # KV heads
+        self.head_dim = head_dim
+        self.n_heads = n_heads
+        self.causal = causal
+        self.kv_groups = kv_groups
         self.chunk_size = 64   # the linear paths' speed setting, not the outputs'
         self.share = None
         exact = [] if len(exact) == n_kv else exact   # every head exact: the Softmax family
@@ -353,7 +364,9 @@ class Attention(nn.Module):
             self.register_buffer(name, torch.tensor(idx, dtype=torch.long), persistent=False)
         self.fmap = None
         if spec.name != 'softmax' and self.mode != 'softmax':
-            options = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
+            options = {}
+            if spec.name == 'cosformer' and max_len is not None:
+                options['max_len'] = max_len
             options.update(spec.options)  # the spec's own max_len wins
             self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
         self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would

@@ -35,17 +35,18 @@ The denominator comes from the same A and z, not from a separate pass (where pub
 silent gradient bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128,
 D=64, bf16):
 
-    fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores S_j, z_j; holds
-                                   its (BF, BD) = (32, 32) block of S in fp32
-    fwd out     _fwd_kernel        (NT, BH, D/BD) (512, 12, 1): y and 1/den of one chunk; holds A, q S_j (BT, BD),
-                                   accumulated over feature blocks of 64
+    fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores
+                                   S_j, z_j; holds its (BF, BD) = (32, 32) block of S in fp32
+    fwd out     _fwd_kernel        (NT, BH, D/BD) (512, 12, 1): y and 1/den of one chunk; holds
+                                   A, q S_j (BT, BD), accumulated over feature blocks of 64
     (backward)  _fwd_state_kernel  'fwd state' again: the states are recomputed, not saved
-    bwd dstate  _bwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores dS, dz after each
-                                   chunk; holds its (32, 32) block of dS in fp32
-    bwd dqk     _bwd_dqk_kernel    (NT, BH, F/BF) (512, 12, 2): dq, dk of one chunk and feature block of 64; holds
-                                   G (BT, BT), dq (BT, BF), dk^T (BF, BT), accumulated over value blocks of 64
-    bwd dv      _bwd_dv_kernel     (NT, BH, D/BD) (512, 12, 1): dv of one chunk; holds P^T (BT, BT), k dS (BT, BD),
-                                   accumulated over feature blocks of 64
+    bwd dstate  _bwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores
+                                   dS, dz after each chunk; holds its (32, 32) block of dS in fp32
+    bwd dqk     _bwd_dqk_kernel    (NT, BH, F/BF) (512, 12, 2): dq, dk of one chunk and feature
+                                   block of 64; holds G (BT, BT), dq (BT, BF), dk^T (BF, BT),
+                                   accumulated over value blocks of 64
+    bwd dv      _bwd_dv_kernel     (NT, BH, D/BD) (512, 12, 1): dv of one chunk; holds P^T (BT, BT),
+                                   k dS (BT, BD), accumulated over feature blocks of 64
 
 Memory. The stored states are (BH, NT, F, D) in the operands' dtype if bf16 (the dots read them in
 bf16 anyway: the same rounding), else fp32, and z (BH, NT, F) fp32; with bf16 operands 2 F D / 64 +
@@ -59,7 +60,8 @@ y_t:
     G_ts = dL/dP_ts = g_t . v_s + r_t
     dq_t = sum_{s<=t} G_ts k_s + S_0 g_t + r_t z_0        dS_0 = dS_T + sum_t q_t g_t^T
     dk_s = sum_{t>=s} G_ts q_t + dS_T v_s + dz_T          dz_0 = dz_T + sum_t r_t q_t
-    dv_s = sum_{t>=s} P_ts g_t + dS_T^T k_s,              dc_s = dk_s . phi_k_s (the key scales with exp(c_s))
+    dv_s = sum_{t>=s} P_ts g_t + dS_T^T k_s,              dc_s = dk_s . phi_k_s
+(dc: the key scales with exp(c_s).)
 (dS_T, dz_T: the gradients arriving through the returned state; with shifts, P_ts and the state
 terms carry the forward's factors.) Chunked, the sums over earlier chunks (dq) are q's state S_j,
 z_j; those over later chunks (dk, dv) the state gradient after chunk j (units exp(-M_j)),
@@ -196,7 +198,8 @@ if HAS_TRITON:
         """The forward's sequential pass, chunks j = 0 .. NT-1, one program per (bh, feature block,
         value block), its block of the state in fp32 registers. STATES[j] = the state before chunk
         j, in units exp(-M_{j-1}); then
-            S <- S e^(M_{j-1} - M_j) + sum_s k_s (v_s e^(c_s - M_j))^T,   z likewise with k_s alone."""
+            S <- S e^(M_{j-1} - M_j) + sum_s k_s (v_s e^(c_s - M_j))^T,
+        z likewise with k_s alone."""
         i_bh, i_f, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         offs_t = tl.arange(0, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -245,7 +248,8 @@ if HAS_TRITON:
         """The backward's sequential pass, chunks j = NT-1 .. 0, one program per (bh, feature block,
         value block). DSTATES[j] = dS after chunk j, in units exp(-M_j); then, with g_t = dy_t /
         den_t and r_t = -(dy_t . y_t) / den_t (dL/dnum and dL/dden of row t):
-            dS <- dS e^(M_{j-1} - M_j) + sum_t q_t (g_t e^(M_{j-1} - m_t))^T,   dz likewise with r_t."""
+            dS <- dS e^(M_{j-1} - M_j) + sum_t q_t (g_t e^(M_{j-1} - m_t))^T,
+        dz likewise with r_t."""
         i_bh, i_f, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         offs_t = tl.arange(0, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -352,9 +356,10 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BF16: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """dq and dk of one chunk and feature block, G_ts = (g_t . v_s + r_t) e^(c_s - m_t) (s <=
-        t):
-            dq = G k + (g S^T + r z) e^(M_{j-1} - m_t),   dk^T = q^T G + (dS v^T + dz) e^(c_s - M_j);
+        """dq and dk of one chunk and feature block, G_ts = (g_t . v_s + r_t) e^(c_s - m_t)
+        (s <= t):
+            dq = G k + (g S^T + r z) e^(M_{j-1} - m_t),
+            dk^T = q^T G + (dS v^T + dz) e^(c_s - M_j);
         program = (chunk, bh, feature block), G and the state terms accumulated over value
         blocks."""
         i_bh, i_f = tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -521,7 +526,9 @@ class CausalLinearAttention(torch.autograd.Function):
     def forward(ctx, phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32):
         (B, H, T, F), D = phi_q.shape, v.shape[-1]
         dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)   # -> the operands' dtype: see Precision
-        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else functools.reduce(torch.promote_types, dtypes)
+        dtype = functools.reduce(torch.promote_types, dtypes)
+        if torch.bfloat16 in dtypes:
+            dtype = torch.bfloat16
         cfg = _cfg(dtype, torch.backends.cuda.matmul.allow_tf32
                    if allow_tf32 is None else allow_tf32)
         q, k, vv = (x.to(dtype).reshape(B * H, T, -1).contiguous() for x in (phi_q, phi_k, v))
