@@ -62,7 +62,8 @@ def _merge(a, b):
     has den 0 and adds nothing)."""
     ma, mb = (x[2].where(x[1] > 0, -math.inf) for x in (a, b))
     m = torch.maximum(ma, mb).nan_to_num(neginf=0.0)
-    ra, rb = exp_as(ma - m, a[0]), exp_as(mb - m, b[0])
+    ra = exp_as(ma - m, a[0])
+    rb = exp_as(mb - m, b[0])
     return a[0] * ra[..., None] + b[0] * rb[..., None], a[1] * ra + b[1] * rb, m
 
 def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'):
@@ -79,7 +80,9 @@ def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'
     exp(c) den_l, in log space. A row without linear keys is the window part, one without window
     keys the linear part, 0 with neither. Returns y and p, float32 (Window.step: the same for one
     query, in fewer ops)."""
-    has_w, has_l = den_w > 0, den_l > 0   # (an empty part's den 1 in the log: no nan in a gradient)
+    # (an empty part's den 1 in the log: no nan in a gradient)
+    has_w = den_w > 0
+    has_l = den_l > 0
     f = factor.to(den_w.dtype)[:, None]                               # (H, 1) against (B, H, T)
     ratio = f * den_w.where(has_w, 1.0) / den_l.where(has_l, 1.0)
     p = torch.sigmoid(torch.log(ratio) - c.to(den_w.dtype)) if combine == 'joint' else f
@@ -118,7 +121,9 @@ def _shift(x, w, fill=0.0):
 def _linear_part(phi_q, phi_k, v, c_k, w, impl, chunk_size):
     """The window hybrid's linear part, unnormalised (num, den, m): causal linear attention over
     the keys that have left each row's window, i.e. over keys shifted w positions later."""
-    phi_k, v, c_k = _shift(phi_k, w), _shift(v, w), _shift(c_k, w, NO_KEY)
+    phi_k = _shift(phi_k, w)
+    v = _shift(v, w)
+    c_k = _shift(c_k, w, NO_KEY)
     return linear_attention_parts(phi_q, phi_k, v, True, impl, chunk_size, c_k=c_k)[:3]
 
 def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causal=True,
@@ -138,7 +143,8 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
         return divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
     is_sink = torch.arange(T, device=q.device) < n_sinks     # sinks are not in the linear part
-    phi_k, c_k = acc(phi_k) * ~is_sink[:, None], c_k.masked_fill(is_sink, NO_KEY)
+    phi_k = acc(phi_k) * ~is_sink[:, None]
+    c_k = c_k.masked_fill(is_sink, NO_KEY)
     linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
     if not causal:   # plus the keys j >= i + window: the same, backwards in time
         flipped = (x.flip(2) for x in (phi_q, phi_k, v, c_k))
@@ -153,7 +159,9 @@ def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al.
     2023, Sec. 4.2."""
     B, H, T, D = q.shape
-    n, pad = math.ceil(T / block), -T % block  # pad: to a whole number of blocks
+    # pad: to a whole number of blocks
+    n = math.ceil(T / block)
+    pad = -T % block
     qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block,
                                                      t.shape[-1]) for t in (q, k, v))
     keys = q.new_ones(B, T, dtype=torch.bool) if key_padding_mask is None else key_padding_mask
@@ -178,7 +186,8 @@ class LinearState:
 
     @staticmethod
     def empty(B, H, F, D, like):
-        S, z = like.new_zeros(B, H, F, D), like.new_zeros(B, H, F)
+        S = like.new_zeros(B, H, F, D)
+        z = like.new_zeros(B, H, F)
         return LinearState(S, z, like.new_full((B, H), NO_KEY), 0)
 
     def fold(self, phi, c, v, n):
@@ -418,14 +427,12 @@ class Attention(nn.Module):
         return y.to(v.dtype), state
 
     def decode(self, q, k, v, state):
-        """Tokens after a state, one step each (one token: the step alone)."""
-        if q.shape[2] == 1:
-            return self.step(q, k, v, state)
+        """Tokens after a state, one step each (one token: the step's y, not a copy)."""
         ys = []
         for t in range(q.shape[2]):
             y, state = self.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
             ys.append(y)
-        return torch.cat(ys, 2), state
+        return (torch.cat(ys, 2) if len(ys) > 1 else ys[0]), state
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for identity values."""
@@ -518,7 +525,8 @@ class KVCache:
         """The cache in buffers of at least `capacity` tokens (the first n copied)."""
         if capacity <= self.k.shape[2] and static == self.static:
             return self
-        cap, n = max(capacity, self.k.shape[2]), self.n
+        cap = max(capacity, self.k.shape[2])
+        n = self.n
 
         def grown(x):
             return torch.cat([x[:, :, :n], x.new_zeros(*x.shape[:2], cap - n, x.shape[3])], 2)
@@ -526,7 +534,9 @@ class KVCache:
 
     def append(self, k, v):
         """The cache with T more tokens k, v (B, H_kv, T, D)."""
-        n, T, capacity = self.n, k.shape[2], self.k.shape[2]
+        n = self.n
+        T = k.shape[2]
+        capacity = self.k.shape[2]
         cache = self
         if n + T > capacity:                  # full: larger buffers, the first n copied
             if self.static:
@@ -539,7 +549,8 @@ class KVCache:
             cache.k.index_copy_(2, cache.pos, k)
             cache.v.index_copy_(2, cache.pos, v)
         else:
-            cache.k[:, :, n:n + T], cache.v[:, :, n:n + T] = k, v
+            cache.k[:, :, n:n + T] = k
+            cache.v[:, :, n:n + T] = v
         if not self.static:
             cache.fill[0] = n + T
         return KVCache(cache.k, cache.v, cache.pos + T, n + T, cache.fill, self.static)
@@ -581,7 +592,8 @@ class Linear(Attention):
     """Linear attention (Katharopoulos et al. 2020) with the spec's map, its state (S, z, m) a
     LinearState: one path (spec impl) from the start and after a state; a step is one outer product
     into the state and one read."""
-    mode, fuses = 'linear', True
+    mode = 'linear'
+    fuses = True
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         return self._from(q, k, v, None, key_padding_mask)
@@ -609,7 +621,10 @@ def fusable(core):
     """Whether core's step can run fused: the Linear and Window families with Hedgehog's map or
     LoLCATs' (its skip the whole width), softmax or exp features, tiles kernels.decode_warps serves.
     A window spec with impl=triton that cannot: a UsageError naming the reason that applies."""
-    fm, spec, D, L = core.fmap, core.spec, core.head_dim, core.spec.sinks + core.window
+    fm = core.fmap
+    spec = core.spec
+    D = core.head_dim
+    L = core.spec.sinks + core.window
     why = "LoLA's cache (cache=) has none" if spec.cache else \
         'a window without a map (softmax) has none' if fm is None or not core.fuses else \
         'it takes a hedgehog or lolcats map with softmax or exp features' if not (
@@ -639,7 +654,8 @@ def fused(core, x):
 def fused_step(core, q, k, v, st):
     """Linear's or Window's step (st a LinearState or a WindowState) in one launch,
     kernels.decode_step: the same output and state."""
-    window, fm = isinstance(st, WindowState), core.fmap
+    window = isinstance(st, WindowState)
+    fm = core.fmap
     lin, slots = (st.linear, st.slots) if window else (st, None)
     if core.spec.nope and core.inv_freq.device != q.device:
         core.inv_freq = core.inv_freq.to(q.device)
@@ -673,7 +689,8 @@ class Window(Attention):
     """Sliding-window softmax + linear attention (LoLCATs-w; without a map, sliding-window softmax
     alone): window_linear_attention all at once; a step writes the token into the ring and folds
     the one leaving the window into the linear part."""
-    mode, fuses = 'window', True
+    mode = 'window'
+    fuses = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -698,7 +715,9 @@ class Window(Attention):
     def _state(self, k, v, phi_k, c_k):
         """The decode state after tokens k, v (B, H, T, D) with their features (or None)."""
         (B, H, T, D), g, W, N = k.shape, self.kv_groups, self.window, self.spec.sinks
-        k1, v1 = k[:, ::g], v[:, ::g]                                       # (B, H_kv, T, D)
+        # (B, H_kv, T, D)
+        k1 = k[:, ::g]
+        v1 = v[:, ::g]
         first = min(max(T - W + 1, N), T)                                   # the ring's first token
         kept = torch.cat([torch.arange(min(N, T), device=k.device),
                           torch.arange(first, T, device=k.device)])
@@ -706,7 +725,8 @@ class Window(Attention):
         slots = Slots.empty(k1, v1, N + W).write(slot, kept, k1[:, :, kept], v1[:, :, kept])
         linear = None
         if phi_k is not None:   # tokens sinks .. T - W are outside the next query's window: folded
-            empty, left = LinearState.empty(B, H, phi_k.shape[-1], D, k), slice(N, max(first, N))
+            empty = LinearState.empty(B, H, phi_k.shape[-1], D, k)
+            left = slice(N, max(first, N))
             linear = empty.fold(phi_k[:, :, left], c_k[:, :, left], v[:, :, left], T)
         return WindowState(slots, linear, _position(k, T), T, N)
 
@@ -739,12 +759,15 @@ class Window(Attention):
           y           y_l: num / den, 0 where den = 0 (there p = 1)
           linear      the leaving pair folded into S and z (with real False, before the sinks'
                       end: 0)."""
-        W, N, g = self.window, st.sinks, self.kv_groups
+        W = self.window
+        N = st.sinks
+        g = self.kv_groups
         back = W - 1                       # the leaving token: back positions before this one
         at = (W, N, st.n, st.pos.device)   # (the window layers' only key in self.shared)
         if at not in self.shared:
             slot = st.pos if st.n < N else st.pos % W + N
-            leaving, filled = (st.pos - back) % W + N, st.slots.pos.index_copy(0, slot, st.pos) >= 0
+            leaving = (st.pos - back) % W + N
+            filled = st.slots.pos.index_copy(0, slot, st.pos) >= 0
             bias = torch.where(filled, 0.0, -math.inf)
             self.shared[at] = slot, leaving, st.pos + 1, bias, filled[leaving]
         slot, leaving, pos, bias, real = self.shared[at]
@@ -758,12 +781,15 @@ class Window(Attention):
         k_out, v_out = (x.index_select(2, leaving) for x in (kq, vq))
         phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=back)
         num, den = st.linear.read(phi_q)                                   # (B, H, 1, D), (B, H, 1)
-        f, c = self.factor()[:, None], c_q + st.linear.m[..., None]        # (H, 1), (B, H, 1)
+        # (H, 1), (B, H, 1)
+        f = self.factor()[:, None]
+        c = c_q + st.linear.m[..., None]
         p = torch.sigmoid(torch.log(f / (a.amax(-1) * den)) - c.to(den.dtype)) \
             if self.spec.combine == 'joint' else f.where(den > 0, 1.0)    # (den 0: log inf, p 1)
         y = torch.lerp((num / den[..., None]).nan_to_num(), y_w, p[..., None])
         if st.n - back < N:   # the leaving token may come before the sinks' end: its slot empty
-            phi_k, c_k = phi_k * real, c_k.masked_fill(~real, NO_KEY)
+            phi_k = phi_k * real
+            c_k = c_k.masked_fill(~real, NO_KEY)
         linear = st.linear.add(phi_k, v_out, c_k if self.shifted else None)
         return y, WindowState(slots, linear, pos, st.n + 1, N)
 
@@ -775,13 +801,16 @@ class Window(Attention):
         super().calibrate(q, k, key_padding_mask)
         if self.fmap is None or self.spec.combine != 'mix':
             return
-        q, k = q[:, self.rest_q], k[:, self.rest_q]
-        T, real = q.shape[2], _real(q, key_padding_mask)
+        q = q[:, self.rest_q]
+        k = k[:, self.rest_q]
+        T = q.shape[2]
+        real = _real(q, key_padding_mask)
         j = torch.arange(T, device=q.device)
         seen = A.causal_mask(T, T, q.device) if self.causal else q.new_ones(T, T, dtype=torch.bool)
         # (T, T)
         soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen
-        total, n = 0.0, 0
+        total = 0.0
+        n = 0
         for b in range(q.shape[0]):
             visible = seen & real[b]                     # the real keys of each row
             rows = real[b] & (visible & ~soft).any(-1)   # real rows that also see keys of the
@@ -803,7 +832,8 @@ class Diag(Linear):
     """LLN+Diag (Nahshan et al. 2023, Sec. 4.2): the average of linear attention over every token
     and softmax within blocks of diag_block tokens; a step is Linear's beside softmax over its block
     so far."""
-    mode, fuses = 'diag', False
+    mode = 'diag'
+    fuses = False
     decode = Attention.decode   # tokens after a state: one step each
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
@@ -818,7 +848,9 @@ class Diag(Linear):
 
     def step(self, q, k, v, st):
         y_linear, linear = super().step(q, k, v, st.linear)                # (B, H, 1, D)
-        b, g, pos = self.spec.diag_block, self.kv_groups, st.linear.pos
+        b = self.spec.diag_block
+        g = self.kv_groups
+        pos = st.linear.pos
         slots = st.slots.write(pos % b, pos, k[:, ::g], v[:, ::g])
         in_block = (slots.pos >= pos - pos % b)[None]                      # (1, b) this block's
         y_block = A.softmax_attention(q, slots.k, slots.v, causal=False, attn_mask=in_block)
@@ -886,7 +918,8 @@ class Lola(Window):
     the window into a pending block; every cache_block of them, the block and the cache compete
     (lola_select). Prefill and decoding run one schedule, in segments within which the linear part
     is fixed: each ends where a block leaves the softmax part."""
-    mode, fuses = 'window', False
+    mode = 'window'
+    fuses = False
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         (B, H, _, D), Dv, g, F = q.shape, v.shape[-1], self.kv_groups, self.fmap.feature_dim
@@ -896,14 +929,19 @@ class Lola(Window):
                                               LinearState.empty(B, H, F, Dv, q)))
 
     def decode(self, q, k, v, state):
-        C, T = self.spec.cache_block, q.shape[2]
-        ys, shares, t = [], [], 0
+        C = self.spec.cache_block
+        T = q.shape[2]
+        ys = []
+        shares = []
+        t = 0
         while t < T:
             n = min(T - t, self.window - 1 + C - len(state.buffer))   # tokens up to the next update
             qs, ks, vs = (x[:, :, t:t + n] for x in (q, k, v))
             y, share, phi_k, c_k = self._segment(qs, ks, vs, state)
             state = self._update(self._push(state, ks, vs, phi_k, c_k))
-            ys, shares, t = ys + [y], shares + [share], t + n
+            ys = ys + [y]
+            shares = shares + [share]
+            t = t + n
         self.share = torch.cat(shares, 2).detach()
         return torch.cat(ys, 2), state
 
@@ -911,11 +949,14 @@ class Lola(Window):
         """Outputs of tokens q, k, v (B, H, n, D) right after state st, the linear part fixed:
         (y, share, phi_k, c_k). Softmax part: the sinks, the cache (always seen) and the buffer and
         new tokens up to the query."""
-        n, o, g = q.shape[2], st.offset, self.kv_groups
+        n = q.shape[2]
+        o = st.offset
+        g = self.kv_groups
         soft = st.sinks.cat(st.cache).cat(st.buffer).cat(Pairs(k[:, ::g], v[:, ::g]))
         pos = torch.cat([torch.arange(len(st.sinks)), torch.full((len(st.cache),), -1),
                          torch.arange(o - len(st.buffer), o + n)]).to(q.device)   # keys' positions
-        keys, vals = soft.k.repeat_interleave(g, 1), soft.v.repeat_interleave(g, 1)
+        keys = soft.k.repeat_interleave(g, 1)
+        vals = soft.v.repeat_interleave(g, 1)
         visible = pos <= torch.arange(o, o + n, device=q.device)[:, None]
         num_w, den_w, _ = _window_softmax(q, keys, vals, visible)
         phi_q, phi_k, c_q, c_k = self._features(q, k, o)
@@ -927,7 +968,8 @@ class Lola(Window):
     def _push(self, st, k, v, phi_k, c_k):
         """The state with tokens k, v (B, H, n, D) appended: the first go to the sinks while there
         are fewer than spec.sinks, the others to the buffer."""
-        s, g = min(max(self.spec.sinks - st.offset, 0), k.shape[2]), self.kv_groups
+        s = min(max(self.spec.sinks - st.offset, 0), k.shape[2])
+        g = self.kv_groups
         sinks = st.sinks.cat(Pairs(k[:, ::g, :s], v[:, ::g, :s]))
         rest = Pairs(k[:, ::g, s:], v[:, ::g, s:], phi_k[:, :, s:], c_k[:, :, s:])
         return replace(st, offset=st.offset + k.shape[2], sinks=sinks, buffer=st.buffer.cat(rest))
@@ -938,6 +980,7 @@ class Lola(Window):
         C = self.spec.cache_block
         if len(st.buffer) < self.window - 1 + C:
             return st
-        cand, g = st.cache.cat(st.buffer.cut(0, C)), self.kv_groups
+        cand = st.cache.cat(st.buffer.cut(0, C))
+        g = self.kv_groups
         keep, linear = lola_select(st.linear, cand, self.spec.cache, g)
         return replace(st, buffer=st.buffer.cut(C), cache=cand.take(keep, g), linear=linear)

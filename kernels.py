@@ -99,7 +99,9 @@ except ImportError:  # pragma: no cover
 INTERPRET = HAS_TRITON and os.environ.get('TRITON_INTERPRET', '0') == '1'
 NO_KEY = -1e30      # as attention.NO_KEY: the running max before any key
 DEFAULT_CHUNK = 64   # BLOCK_T: the chunk of rows each program of the parallel launches owns
-MAX_FEATURE_DIM, MAX_HEAD_DIM = 256, 128  # the sizes tests/test_kernels_compile.py checks
+# the sizes tests/test_kernels_compile.py checks
+MAX_FEATURE_DIM = 256
+MAX_HEAD_DIM = 128
 
 def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=None,
                                       return_state=False, c_k=None):
@@ -113,13 +115,18 @@ def causal_linear_attention_reference(phi_q, phi_k, v, eps=0.0, initial_state=No
     z_0 and all T keys summed in units exp(-m), in the compute dtype; (S, z) alone without c_k and
     without an m_0."""
     dt = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
-    q, k, v_ = phi_q.to(dt), phi_k.to(dt), v.to(dt)
+    q = phi_q.to(dt)
+    k = phi_k.to(dt)
+    v_ = v.to(dt)
     (B, H, T, F), D = q.shape, v.shape[-1]
     c = q.new_zeros(B, H, T) if c_k is None else c_k.to(dt)               # (B, H, T) key shifts
     if initial_state is None:   # zeros, and no key seen yet
-        S0, z0, m0 = q.new_zeros(B, H, F, D), q.new_zeros(B, H, F), q.new_full((B, H), NO_KEY)
+        S0 = q.new_zeros(B, H, F, D)
+        z0 = q.new_zeros(B, H, F)
+        m0 = q.new_full((B, H), NO_KEY)
     else:
-        S0, z0 = initial_state[0].to(dt), initial_state[1].to(dt)
+        S0 = initial_state[0].to(dt)
+        z0 = initial_state[1].to(dt)
         m0 = initial_state[2].to(dt) if len(initial_state) > 2 else q.new_zeros(B, H)
     m = torch.maximum(c.cummax(-1).values, m0[..., None])                 # (B, H, T) running max
     key_factor = torch.exp((c[..., None, :] - m[..., None]).clamp(max=0))  # (B, H, T, T) e^(c_s -
@@ -200,17 +207,25 @@ if HAS_TRITON:
         j, in units exp(-M_{j-1}); then
             S <- S e^(M_{j-1} - M_j) + sum_s k_s (v_s e^(c_s - M_j))^T,
         z likewise with k_s alone."""
-        i_bh, i_f, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+        i_bh = tl.program_id(0).to(tl.int64)
+        i_f = tl.program_id(1)
+        i_d = tl.program_id(2)
         offs_t = tl.arange(0, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_f, mask_d = offs_f < F, offs_d < D
+        mask_f = offs_f < F
+        mask_d = offs_d < D
         NT = tl.cdiv(T, BLOCK_T)
-        K, V = K + i_bh * T * F, V + i_bh * T * D      # this head's rows
-        C, M = C + i_bh * T, M + i_bh * T
-        STATES, ZS = STATES + i_bh * NT * F * D, ZS + i_bh * NT * F
+        # this head's rows
+        K = K + i_bh * T * F
+        V = V + i_bh * T * D
+        C = C + i_bh * T
+        M = M + i_bh * T
+        STATES = STATES + i_bh * NT * F * D
+        ZS = ZS + i_bh * NT * F
         if S_INIT is not None:
-            S_INIT, Z_INIT = S_INIT + i_bh * F * D, Z_INIT + i_bh * F
+            S_INIT = S_INIT + i_bh * F * D
+            Z_INIT = Z_INIT + i_bh * F
         S, z = _load_state(S_INIT, Z_INIT, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
 
         for j in range(0, NT):
@@ -250,17 +265,26 @@ if HAS_TRITON:
         den_t and r_t = -(dy_t . y_t) / den_t (dL/dnum and dL/dden of row t):
             dS <- dS e^(M_{j-1} - M_j) + sum_t q_t (g_t e^(M_{j-1} - m_t))^T,
         dz likewise with r_t."""
-        i_bh, i_f, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+        i_bh = tl.program_id(0).to(tl.int64)
+        i_f = tl.program_id(1)
+        i_d = tl.program_id(2)
         offs_t = tl.arange(0, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_f, mask_d = offs_f < F, offs_d < D
+        mask_f = offs_f < F
+        mask_d = offs_d < D
         NT = tl.cdiv(T, BLOCK_T)
-        Q, DY = Q + i_bh * T * F, DY + i_bh * T * D      # this head's rows
-        M, RDEN, DELTA = M + i_bh * T, RDEN + i_bh * T, DELTA + i_bh * T
-        DSTATES, DZS = DSTATES + i_bh * NT * F * D, DZS + i_bh * NT * F
+        # this head's rows
+        Q = Q + i_bh * T * F
+        DY = DY + i_bh * T * D
+        M = M + i_bh * T
+        RDEN = RDEN + i_bh * T
+        DELTA = DELTA + i_bh * T
+        DSTATES = DSTATES + i_bh * NT * F * D
+        DZS = DZS + i_bh * NT * F
         if DS_END is not None:
-            DS_END, DZ_END = DS_END + i_bh * F * D, DZ_END + i_bh * F
+            DS_END = DS_END + i_bh * F * D
+            DZ_END = DZ_END + i_bh * F
         dS, dz = _load_state(DS_END, DZ_END, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
 
         for i in range(0, NT):
@@ -311,12 +335,16 @@ if HAS_TRITON:
         """y of one chunk and value block: A = q k^T e^(c_s - m_t) (s <= t), y = (A v + q S r) /
         (rowsum(A) + q.z r + eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A
         and q S accumulated over feature blocks."""
-        i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
+        i_bh = tl.program_id(1).to(tl.int64)
+        i_d = tl.program_id(2)
         rows, mask_t, m_before, _, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        Q, K, V = Q + i_bh * T * F, K + i_bh * T * F, V + i_bh * T * D
-        S_j, z_j = STATES + st * F * D, ZS + st * F
+        Q = Q + i_bh * T * F
+        K = K + i_bh * T * F
+        V = V + i_bh * T * D
+        S_j = STATES + st * F * D
+        z_j = ZS + st * F
 
         A = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
         qS = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
@@ -362,12 +390,15 @@ if HAS_TRITON:
             dk^T = q^T G + (dS v^T + dz) e^(c_s - M_j);
         program = (chunk, bh, feature block), G and the state terms accumulated over value
         blocks."""
-        i_bh, i_f = tl.program_id(1).to(tl.int64), tl.program_id(2)
+        i_bh = tl.program_id(1).to(tl.int64)
+        i_f = tl.program_id(2)
         rows, mask_t, m_before, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = offs_f < F
-        V, DY = V + i_bh * T * D, DY + i_bh * T * D
-        S_j, dS_j = STATES + st * F * D, DSTATES + st * F * D
+        V = V + i_bh * T * D
+        DY = DY + i_bh * T * D
+        S_j = STATES + st * F * D
+        dS_j = DSTATES + st * F * D
 
         G = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)                 # dy v^T
         dq = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)                # dy S^T
@@ -416,11 +447,14 @@ if HAS_TRITON:
         """dv = P^T g + k dS e^(c_s - M_j) for one chunk and value block, P^T_st = k_s . q_t e^(c_s
         - m_t) (s <= t); program = (chunk, bh, value block), P^T and k dS accumulated over feature
         blocks."""
-        i_bh, i_d = tl.program_id(1).to(tl.int64), tl.program_id(2)
+        i_bh = tl.program_id(1).to(tl.int64)
+        i_d = tl.program_id(2)
         rows, mask_t, _, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        Q, K, dS_j = Q + i_bh * T * F, K + i_bh * T * F, DSTATES + st * F * D
+        Q = Q + i_bh * T * F
+        K = K + i_bh * T * F
+        dS_j = DSTATES + st * F * D
 
         PT = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)                # k q^T (s, t)
         kdS = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
@@ -484,7 +518,8 @@ def _launch(launches, name, *args):
 
 def _chunk_states(x, T, F, D, chunk, cfg):
     """Empty per-chunk states (B*H, NT, F, D) and their z (B*H, NT, F) (dtypes: Memory above)."""
-    nt, dt = triton.cdiv(T, chunk), torch.bfloat16 if cfg['BF16'] else torch.float32
+    nt = triton.cdiv(T, chunk)
+    dt = torch.bfloat16 if cfg['BF16'] else torch.float32
     return x.new_empty(x.shape[0], nt, F, D, dtype=dt), x.new_empty(x.shape[0], nt, F,
                                                                     dtype=torch.float32)
 
@@ -507,7 +542,8 @@ def _rebased(c, m0, T, chunk):
     """Key shifts c (B, H, T) and the initial units m0 (B, H) as the kernels take them, (B*H, T)
     fp32: c, the rows' running max m and M_{j-1} (B*H, NT), each in units of its chunk's M_j, so
     that a shift as large as g t (spec decay, float64) keeps its precision at any t."""
-    c, m0 = _rows(c, T, fp32=False), _rows(m0, fp32=False)
+    c = _rows(c, T, fp32=False)
+    m0 = _rows(m0, fp32=False)
     m = torch.maximum(c.cummax(-1).values, m0[:, None]).detach()          # (BH, T) running max
     last = m[:, chunk - 1::chunk]
     M = torch.cat([last, m[:, -1:]], 1) if T % chunk else last            # (BH, NT): M_j
@@ -533,17 +569,21 @@ class CausalLinearAttention(torch.autograd.Function):
                    if allow_tf32 is None else allow_tf32)
         q, k, vv = (x.to(dtype).reshape(B * H, T, -1).contiguous() for x in (phi_q, phi_k, v))
         if S0 is not None:
-            S0, z0 = _rows(S0, F, D), _rows(z0, F)
+            S0 = _rows(S0, F, D)
+            z0 = _rows(z0, F)
         c = c.contiguous()
         launches = _launches(B * H, T, F, D, chunk_size, cfg)
         states, zs = _chunk_states(q, T, F, D, chunk_size, cfg)
-        y, rden = torch.empty_like(vv), q.new_empty(B * H, T, dtype=torch.float32)   # rden: 1 / den
+        # rden: 1 / den
+        y = torch.empty_like(vv)
+        rden = q.new_empty(B * H, T, dtype=torch.float32)
         S_end, z_end = _new_state(q, F, D) if return_state else (None, None)
         _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, S_end, z_end, T, F, D)
         _launch(launches, 'fwd out', q, k, vv, y, rden, states, zs, c, m, MB, T, F, D, float(eps))
         del states, zs   # the backward recomputes them
         ctx.save_for_backward(q, k, vv, y, rden, S0, z0, c, m, MB)
-        ctx.cfg, ctx.dtypes = (B, H, T, F, D, chunk_size, cfg), dtypes
+        ctx.cfg = (B, H, T, F, D, chunk_size, cfg)
+        ctx.dtypes = dtypes
         y = y.reshape(B, H, T, D).to(v.dtype)
         if not return_state:
             return y
@@ -574,7 +614,8 @@ class CausalLinearAttention(torch.autograd.Function):
         dc = (dk.float() * k.float()).sum(-1) if ctx.needs_input_grad[5] else None   # (BH, T)
         grads = [g.reshape(B, H, T, -1) for g in (dq, dk, dv)]
         if need_dinit:
-            dS0, dz0 = dS0.reshape(B, H, F, D), dz0.reshape(B, H, F)
+            dS0 = dS0.reshape(B, H, F, D)
+            dz0 = dz0.reshape(B, H, F)
         return (*grads, dS0, dz0, dc, None, None, None, None, None, None)
 
 # ---- the fused decode step: one token of one layer in one launch ---------------------------------
@@ -598,7 +639,8 @@ if HAS_TRITON:
         """Hedgehog's and LoLCATs' features of a query and a key (BD,) for query head h: u = W_h x +
         b_h (+ x, LoLCATs' skip), phi = [f(u), f(-u)] (F = 2 FW): f a softmax over each half, or exp
         (LOG), shifted by c, the largest log-feature -> (phi_q, c_q, phi_k, c_k), phi (2 BU,):
-        feature f at row (f // BU) FW + f % BU of the state."""
+        feature f at row (f // BU) FW + f % BU of the state; c in float64 (the decay shifts it
+        there)."""
         offs_u = tl.arange(0, BU)
         w = _tile(MAP_W + h * FW * D, offs_u, offs_d, D, 1, offs_u < FW, offs_d < D)    # (BU, BD)
         if SKIP:
@@ -606,13 +648,14 @@ if HAS_TRITON:
         bias = tl.load(MAP_B + h * FW + offs_u, mask=offs_u < FW, other=0.)
         phi_q, c_q = _activate(tl.sum(w * xq[None, :], 1) + bias, FW, BU, LOG)
         phi_k, c_k = _activate(tl.sum(w * xk[None, :], 1) + bias, FW, BU, LOG)
-        return phi_q, c_q, phi_k, c_k
+        return phi_q, c_q.to(tl.float64), phi_k, c_k.to(tl.float64)   # c in float64, as hybrids'
 
     @triton.jit
     def _activate(u, FW, BU: tl.constexpr, LOG: tl.constexpr):
         """[f(u), f(-u)] of u (BU,) as (2 BU,): (phi, c) as _features."""
         offs = tl.arange(0, 2 * BU)
-        first, valid = offs < BU, offs % BU < FW
+        first = offs < BU
+        valid = offs % BU < FW
         u = tl.where(valid, tl.reshape(tl.permute(tl.join(u, -u), (1, 0)),
                                        (2 * BU,)), -float('inf'))
         c = tl.max(u, 0)
@@ -638,7 +681,8 @@ if HAS_TRITON:
     def _fold(S, z, m, phi, c, v):
         """(S, z, m) with one key added: m' = max(m, c), S' = S e^(m - m') + phi e^(c - m') v^T."""
         new = tl.maximum(m, c)
-        r, w = tl.exp(m - new).to(tl.float32), tl.exp(c - new).to(tl.float32)
+        r = tl.exp(m - new).to(tl.float32)
+        w = tl.exp(c - new).to(tl.float32)
         return S * r + (w * phi)[:, None] * v[None, :], z * r + w * phi, new
 
     @triton.jit
@@ -668,30 +712,29 @@ if HAS_TRITON:
         kv = (b * H + j * G) * D                                   # the KV head's k and v
         k = tl.load(K + kv + offs_d, mask=mask_d, other=0.).to(tl.float32)
         v = tl.load(V + kv + offs_d, mask=mask_d, other=0.).to(tl.float32)
-        at, kn = pos, _unrope(K + kv, offs_d, D, pos, INV_FREQ, NOPE)   # the key to fold, as maps
-                                                                        # see it
-        if WINDOW:   # the slots with this token written; the token leaving for the next query: at,
-                     # kn, v
+        # the token the linear state folds in, its position and its key as the maps see it: this
+        # token (Linear), or under WINDOW the one leaving the window for the next query
+        t_fold, k_fold = pos, _unrope(K + kv, offs_d, D, pos, INV_FREQ, NOPE)
+        if WINDOW:   # the slots with this token written; the token leaving: t_fold, k_fold, v_out
             ring, slot = (b * (H // G) + j) * L * D, tl.where(pos < N, pos, N + pos % W)
             new, inside = offs_l[:, None] == slot, (offs_l < L)[:, None] & mask_d[None, :]
             p = tl.where(offs_l == slot, pos, tl.load(RP + offs_l, mask=offs_l < L, other=-1))
             _ring_write(RK + ring, RK2 + ring, k, new, offs_l, offs_d, D, inside)
             _ring_write(RV + ring, RV2 + ring, v, new, offs_l, offs_d, D, inside)
             tl.store(RP2 + offs_l, p, mask=offs_l < L)
-            leaving, at = N + (pos + 1) % W, pos + 1 - W
+            leaving, t_fold = N + (pos + 1) % W, pos + 1 - W
             real = tl.load(RP + leaving) >= 0
             v_out = tl.load(RV + ring + leaving * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
-            kn = _unrope(RK + ring + leaving * D, offs_d, D, at, INV_FREQ, NOPE)
+            k_fold = _unrope(RK + ring + leaving * D, offs_d, D, t_fold, INV_FREQ, NOPE)
         for i in range(G):
             h = j * G + i
             row = b * H + h
             qn = _unrope(Q + row * D, offs_d, D, pos, INV_FREQ, NOPE)
-            phi_q, c_q, phi_k, c_k = _features(qn, kn, h, MAP_W, MAP_B, offs_d,
+            phi_q, c_q, phi_k, c_k = _features(qn, k_fold, h, MAP_W, MAP_B, offs_d,
                                                D, FW, BU, SKIP, LOG)
-            c_q, c_k = c_q.to(tl.float64), c_k.to(tl.float64)
             if DECAY:   # lambda^(t - s) as shifts, in float64 as hybrids' (g: made there, one way)
                 g = tl.load(DECAY_G + h)
-                c_q, c_k = c_q - g * pos, c_k + g * at
+                c_q, c_k = c_q - g * pos, c_k + g * t_fold
             if WINDOW:   # the softmax part first (the slots), then the linear state
                 q = tl.load(Q + row * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
                 Kw = tl.where(new, k[None, :], _tile(RK + ring, offs_l, offs_d, D, 1,
@@ -737,7 +780,8 @@ def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, win
     (B, H, 1, D) in v's dtype, the new linear state and slots."""
     (B, H, _, D), FW = q.shape, map_w.shape[1]
     q, k, v, *state = (x.contiguous() for x in (q, k, v, *linear, *(slots or ())))
-    linear, slots = state[:3], state[3:] or None
+    linear = state[:3]
+    slots = state[3:] or None
     out = [(x if in_place else torch.empty_like(x)) for x in state]
     y = torch.empty_like(v)
     L = slots[0].shape[2] if slots else 1
@@ -791,7 +835,9 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     shifted = c_k is not None or len(initial_state or ()) > 2
     if initial_state is None:   # no state: no key yet
-        S0, z0, m0 = None, None, phi_q.new_full(phi_q.shape[:2], NO_KEY, dtype=torch.float32)
+        S0 = None
+        z0 = None
+        m0 = phi_q.new_full(phi_q.shape[:2], NO_KEY, dtype=torch.float32)
     else:
         S0, z0 = initial_state[:2]
         m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(phi_q.shape[:2])
@@ -837,7 +883,8 @@ def _benchmark(B, H, Ts, F, D, dt):
                 cells.append('out of memory')
             torch.cuda.empty_cache()
         if fla:   # relative difference of the outputs, fp32 norms
-            y, yf = fns['kernel']().float(), fns['fla']().transpose(1, 2).float()
+            y = fns['kernel']().float()
+            yf = fns['fla']().transpose(1, 2).float()
             cells.append(f'{((y - yf).norm() / y.norm()).item():.1e}')
         print(f'{T:>6} ' + ' '.join(f'{c:>16}' for c in cells))
 

@@ -298,10 +298,9 @@ class Transformer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config, C = config, config.n_embd
+        self.config, C, n_layer = config, config.n_embd, config.n_layer
         self.rope = config.family == 'llama'
-        blocks = [Block(config, config.layer_attn.get(i, config.attn))
-                  for i in range(config.n_layer)]
+        blocks = [Block(config, config.layer_attn.get(i, config.attn)) for i in range(n_layer)]
         modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout),
                        h=nn.ModuleList(blocks))
         if not self.rope:   # learned positions
