@@ -398,8 +398,8 @@ class LLNFeatureMap(FeatureMap):
             sigma2.lerp_(per_head.var(1, unbiased=False).to(sigma2.dtype), weight)
 
     def alpha_beta(self):
-        return lln_alpha_beta(self.sigma2_q.double(), self.sigma2_k.double(), self.head_dim,
-                              self.match)
+        return lln_alpha_beta(self.sigma2_q.double(), self.sigma2_k.double(),
+                              self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
         return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha or beta
@@ -536,8 +536,8 @@ class AttnSpec:
             key, eq, value = item.partition('=')
             key = OPTION_ALIASES.get(key, key)
             if not eq or key in settings or key in options:
-                raise UsageError(f"attention spec {s!r}: expected name:key=value:.. with distinct "
-                                 f"keys, got {item!r}")
+                raise UsageError(f"attention spec {s!r}: expected name:key=value:.. "
+                                 f"with distinct keys, got {item!r}")
             if cls.settings().get(key) is not str:   # a str setting as written ('0+2': not JSON)
                 with contextlib.suppress(ValueError):
                     value = json.loads(value)
@@ -671,19 +671,19 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     _choose('impl', impl, IMPLS)
     if phi_q.dim() != 4 or phi_k.shape != phi_q.shape \
             or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
-        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
-                         f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
+        raise ValueError("phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); "
+                         f"got {tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
     F = phi_q.shape[-1]
     D = v.shape[-1]
     fits = causal and kernels.triton_available(v) and kernels.supports(F, D)   # the kernel fits
     if impl == 'triton' and not fits:
         raise UsageError(
-            f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and F <= "
-            f"{kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
-            f"{v.device.type}, F={F}, D={D}: use impl='chunked'")
+            "impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
+            f"F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; "
+            f"got causal={causal}, {v.device.type}, F={F}, D={D}: use impl='chunked'")
     if impl == 'triton' or (impl == 'chunked' and v.is_cuda and fits):
-        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state,
-                                               c_k=c_k)
+        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state,
+                                               return_state, c_k=c_k)
     num, den, _, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size,
                                                 initial_state, c_k)
     y = divide(num, den + eps).to(v.dtype)
@@ -723,8 +723,8 @@ def monotonicity(w, q, k, causal=True):
     rhos = []
     for i in range(2 if causal else 0, w.shape[-2]):
         rs, rw = (ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
-        rs = rs - rs.mean(-1, keepdim=True)
-        rw = rw - rw.mean(-1, keepdim=True)
+        rs -= rs.mean(-1, keepdim=True)   # centred
+        rw -= rw.mean(-1, keepdim=True)
         norms = (rs.square().sum(-1) * rw.square().sum(-1)).sqrt()
         rhos.append((rs * rw).sum(-1) / (norms + 1e-30))
     vis = (causal_mask(T, T, w.device) | (not causal)).expand_as(w)   # the visible pairs
