@@ -264,9 +264,9 @@ def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
     """The per-layer DoF table (markdown) with its settings, the mean cost and a note where DoF
     nears J."""
     c = clip is not None
-    title = (f'DoF feature-dimension selection (DoF Alg. 1): lambda={lam:g}, J={n_samples}, '
-             f'G = exp(x_i.x_j/sqrt d) / J, budget C={budget:g}')
-    lines = [title + (f', DoF + Clip at {clip}' if c else ''),
+    at_clip = f', DoF + Clip at {clip}' if c else ''
+    lines = [f'DoF feature-dimension selection (DoF Alg. 1): lambda={lam:g}, J={n_samples}, '
+             f'G = exp(x_i.x_j/sqrt d) / J, budget C={budget:g}{at_clip}',
              '| layer | DoF per head | max DoF | feature_dim |' + (' before clip |' if c else ''),
              '|---|---|---|---|' + ('---|' if c else '')]
     lines += [f"| {r['layer']} | {' '.join(f'{x:.1f}' for x in r['dof_heads'])} | "
@@ -379,8 +379,9 @@ def evaluate(model, module, task, cfg, rt, layers):
             mse_rows = (core(q, k, v, key_padding_mask=mask) - y_t).square().mean(-1)
             kl[l] += float(_row_mean(kl_rows, mask)) / len(batches)
             mse[l] += float(_row_mean(mse_rows, mask)) / len(batches)
-    return dict(out, kl_layers=kl, mse_layers=mse, kl_mean=sum(kl.values()) / max(len(kl), 1),
-                mse_mean=sum(mse.values()) / max(len(mse), 1))
+    n = max(len(layers), 1)
+    return dict(out, kl_layers=kl, mse_layers=mse, kl_mean=sum(kl.values()) / n,
+                mse_mean=sum(mse.values()) / n)
 
 # ---- the pipeline ------------------------------------------------------------
 def teacher_qk(model, batches, layers, rt):
@@ -420,11 +421,11 @@ def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
         keys = sorted({t for a, b in p['keys'] for t in range(*train.token_span(tok, text, a, b))})
         with model.capture_qkv(teacher=True) as rec:
             model(torch.tensor([ids], device=device))
+        mask = A.causal_mask(len(ids) - n + 1, len(ids), device)   # the answer's rows, causal
         for l, (q, k, _, _) in rec.items():
-            mask = A.causal_mask(len(ids) - n + 1, len(ids), q.device)
             w = A.softmax_weights(q[:, :, n - 1:], k, attn_mask=mask)[0]   # (H, rows, T)
             mass = w[..., keys].sum(-1).mean(-1).double().cpu()            # (H,): on the key
-            score[l] += mass.view(cfg.n_kv_head, -1).mean(-1) / len(prompts)
+            score[l] += mass.view(cfg.n_kv_head, -1).mean(-1) / len(prompts)   # per KV head
     return score
 
 def exact_heads(scores, n, rank='probe', seed=0):
@@ -624,9 +625,8 @@ def run(cfg):
     t_start = time.time()
     rt = train.setup(cfg.device, 'float32', cfg.grad_accum)
     if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
-        raise UsageError(
-            "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
-            "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
+        raise UsageError("--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over "
+                         "torchrun's processes: torchrun --nproc_per_node N convert.py ... --fsdp")
     if not rt.master:   # under torchrun rank 0 prints
         sys.stdout = open(os.devnull, 'w')
     torch.manual_seed(cfg.seed)
