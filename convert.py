@@ -1,7 +1,6 @@
 """Convert a pretrained softmax Transformer into a linear-attention one (LoLCATs' recipe).
 
-Attention transfer, then LoRA, with Hedgehog's distillation loss and DoF's feature-dimension
-selection.
+Attention transfer, then LoRA; Hedgehog's distillation loss; DoF's feature-dimension selection.
 
     python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
     python convert.py --report runs/a,runs/b             # the summary table of several conversions
@@ -301,10 +300,8 @@ def _row_mean(x, mask):
 def transfer_loss(core, q, k, v, mask, weights):
     """The stage-1 loss of one student core: a weighted sum of
       ce  soft-label cross-entropy of the attention weights (Hedgehog Eq. 4; T x T),
-      mse squared error of the attention outputs (LoLCATs; through the core's own chunked path,
-          never T x T),
-      l2  squared error of the unnormalised kernel phi(q).phi(k) against exp(q.k/sqrt d)
-          (DoF; T x T)."""
+      mse squared error of the attention outputs (LoLCATs; the core's chunked path, not T x T),
+      l2  squared error of the raw kernel phi(q).phi(k) against exp(q.k/sqrt d) (DoF; T x T)."""
     w_t, y_t = _teacher(core, q, k, v, mask, weights=bool(weights.get('ce')))
     loss = 0.0
     if weights.get('ce'):

@@ -793,8 +793,7 @@ def _evaluate(module, evaluate, step, saved, cfg, rt):
 
 def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None, save=None,
         resume=None, log_name='log.jsonl'):
-    """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of
-    convert.py's stages.
+    """Train `module` for cfg.max_iters optimizer steps (the one loop of train.py and convert.py).
     - module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made here (none if
       FSDP shards it).
     - params_or_optimizer: an optimizer (lr set each step), or parameters for
