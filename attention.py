@@ -52,12 +52,11 @@ def _choose(what, value, choices):
 
 def check_qk(q, k, head_dim, n_heads):
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must be (B, H, T, D) with the same B, H, D; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}")
+        raise ValueError("q and k must be (B, H, T, D) with the same B, H, D; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}")
     if (q.shape[1], q.shape[-1]) != (n_heads, head_dim):
-        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}, got q "
-                         f"{tuple(q.shape)}")
+        raise ValueError(f"n_heads / head_dim mismatch: built for H={n_heads}, D={head_dim}; "
+                         f"got q {tuple(q.shape)}")
 
 # ---- 1. softmax attention, the reference ------------------------------------
 def softmax_attention(q, k, v, causal=True, attn_mask=None):
@@ -92,11 +91,11 @@ class FeatureMap(nn.Module):
 
     log_domain = False
 
-    def __init__(self, head_dim, n_heads):
+    def __init__(self, head_dim, n_heads, feature_dim=None):   # F: head_dim unless given
         super().__init__()
         self.head_dim = head_dim
         self.n_heads = n_heads
-        self.feature_dim = head_dim
+        self.feature_dim = feature_dim or head_dim
         self.shift = True
 
     def forward(self, q, k, offset=0):
@@ -150,8 +149,7 @@ class T2RFeatureMap(FeatureMap):
     W (F, D), b (F), F = feature_dim (default D), init U(-1/sqrt(D), 1/sqrt(D)) as nn.Linear."""
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None):
-        super().__init__(head_dim, n_heads)
-        self.feature_dim = feature_dim or head_dim
+        super().__init__(head_dim, n_heads, feature_dim)
         bound = 1 / math.sqrt(head_dim)
         weight = torch.empty(n_heads, self.feature_dim, head_dim).uniform_(-bound, bound)
         self.weight = nn.Parameter(weight)                                       # (H, F, D)
@@ -182,8 +180,7 @@ class PerformerFeatureMap(FeatureMap):
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None, stabilize: bool = True,
                  redraw_interval: int = 0, seed: int | None = None):
-        super().__init__(head_dim, n_heads)
-        self.feature_dim = feature_dim or 2 * head_dim
+        super().__init__(head_dim, n_heads, feature_dim or 2 * head_dim)
         self.shift = bool(stabilize)
         self.redraw_interval = redraw_interval
         self.calls = 0
@@ -209,15 +206,14 @@ class CosformerFeatureMap(FeatureMap):
     (default 2048, the context length), fixed where the paper takes the length, so causal."""
 
     def __init__(self, head_dim, n_heads, max_len: int = 2048):
-        super().__init__(head_dim, n_heads)
-        self.feature_dim = 2 * head_dim
+        super().__init__(head_dim, n_heads, 2 * head_dim)
         self.max_len = max_len
 
     def phi(self, x, which, offset):
         T = x.shape[-2]
         if offset + T > self.max_len:
             raise UsageError(f"cosformer: position {offset + T - 1} is beyond "
-                             f"max_len={self.max_len} " "(set it larger)")
+                             f"max_len={self.max_len} (set it larger)")
         positions = torch.arange(offset, offset + T, device=x.device, dtype=x.dtype)
         angle = (math.pi / (2 * self.max_len) * positions)[:, None]                 # (T, 1)
         return torch.cat([nnf.relu(x) * angle.cos(), nnf.relu(x) * angle.sin()], dim=-1)
@@ -228,8 +224,7 @@ class TaylorFeatureMap(FeatureMap):
     + D^2."""
 
     def __init__(self, head_dim, n_heads):
-        super().__init__(head_dim, n_heads)
-        self.feature_dim = 1 + head_dim + head_dim ** 2
+        super().__init__(head_dim, n_heads, 1 + head_dim + head_dim ** 2)
 
     def phi(self, x, which, offset):   # (B, H, T, D) -> (B, H, T, 1 + D + D^2)
         x2 = (x[..., :, None] * x[..., None, :]).flatten(-2) / math.sqrt(2 * self.head_dim)
@@ -265,8 +260,8 @@ class HedgehogFeatureMap(FeatureMap):
         self.log_domain = activation == 'exp'
         self.feature_dim = feature_dim or (2 if pm else 1) * self.head_dim
         if pm and self.feature_dim % 2:
-            raise UsageError(f"{activation} features [f(u), f(-u)] need an even feature_dim, got "
-                             f"{self.feature_dim}")
+            raise UsageError(f"{activation} features [f(u), f(-u)] need an even feature_dim, "
+                             f"got {self.feature_dim}")
         width = self.feature_dim // 2 if pm else self.feature_dim
         weight = init(width, self.head_dim).repeat(self.n_heads, 1, 1)
         self.weight = nn.Parameter(weight)                                       # (H, width, D)
@@ -318,8 +313,8 @@ def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
     (Nahshan et al. 2023, Eq. 10, App. A.7, as we read it): a line through Var[log P_ij] of LLN
     attention at s~^2 = 1..16 (n_tokens keys, q, k ~ N(0, I_D)). D = 64: a = 0.1482, b = -0.3600
     (published: 0.1486, -0.3549)."""
-    grid, g = torch.linspace(1.0, 16.0, 16,
-                             dtype=torch.float64), torch.Generator().manual_seed(seed)
+    grid = torch.linspace(1.0, 16.0, 16, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
     ys = []
     for s2 in grid.tolist():
         q, k = torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
@@ -340,17 +335,15 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
     dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
     h_sm = s2_grid.new_tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()])
-    # s~^2 = 0: uniform weights
-    xs = [0.0]
-    h_lln = [math.log(n_tokens)]
+    xs = [0.0]                     # s~^2 = 0: uniform weights,
+    h_lln = [math.log(n_tokens)]   # entropy log n
     while h_lln[-1] > h_sm[-1].item() and xs[-1] < 1000:
         xs.append(xs[-1] + step)
         h_lln.append(entropy(_lln_log_weights(q, k, xs[-1])))
     h_lln = torch.tensor(h_lln, dtype=torch.float64)
     if not (h_lln[1:] < h_lln[:-1]).all() or h_lln[-1] > h_sm[-1]:
-        raise RuntimeError(
-            f"LLN's entropy is not monotone in s~^2, or never as low as softmax's at s^2 = "
-            f"{s2_max}, at head_dim={head_dim}, n_tokens={n_tokens}")
+        raise RuntimeError(f"LLN's entropy is not monotone in s~^2, or never as low as softmax's "
+                           f"at s^2 = {s2_max}, at head_dim={head_dim}, n_tokens={n_tokens}")
     return s2_grid, _interp(-h_sm, -h_lln, torch.tensor(xs, dtype=torch.float64))
 
 def _interp(x, xp, fp):
@@ -401,9 +394,8 @@ class LLNFeatureMap(FeatureMap):
             sigma2.lerp_(per_head.var(1, unbiased=False).to(sigma2.dtype), weight)
 
     def alpha_beta(self):
-        s2_q = self.sigma2_q.double()
-        s2_k = self.sigma2_k.double()
-        return lln_alpha_beta(s2_q, s2_k, self.head_dim, self.match)
+        return lln_alpha_beta(self.sigma2_q.double(), self.sigma2_k.double(),
+                              self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
         return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha or beta
@@ -426,18 +418,16 @@ class DoFFeatureMap(FeatureMap):
     log_domain = True
 
     def __init__(self, head_dim, n_heads, feature_dim: int | None = None, seed: int | None = None):
-        super().__init__(head_dim, n_heads)
-        self.feature_dim = feature_dim or head_dim
+        super().__init__(head_dim, n_heads, feature_dim)
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         self.z = nn.Parameter(_orthogonal_gaussian(n_heads, self.feature_dim, head_dim, g))
         self.log_a = nn.Parameter(torch.zeros(n_heads, self.feature_dim))
 
     def log_phi(self, x, which, offset):
         D = self.head_dim
-        M = self.feature_dim
         norm2 = (x * x).sum(-1, keepdim=True)
         u = _per_head_linear(x, self.z) * D ** -0.25 - norm2 / (2 * math.sqrt(D))
-        return u + 0.5 * self.log_a.to(x.dtype)[:, None, :] - 0.5 * math.log(M)
+        return u + 0.5 * self.log_a.to(x.dtype)[:, None, :] - 0.5 * math.log(self.feature_dim)
 
 FEATURE_MAPS = {'elu': EluFeatureMap, 'relu': ReluFeatureMap, 't2r': T2RFeatureMap,
                 'performer': PerformerFeatureMap, 'cosformer': CosformerFeatureMap,
@@ -478,10 +468,8 @@ class AttnSpec:
     exact: str = ''           # KV heads kept exact softmax, with a KV cache of their own, e.g. 0+2
     decay: int = 0            # > 0: the linear state decays, S_t = lambda S_t-1 + phi(k_t) v_t^T, a
                               # learned lambda per head starting at a half-life of this many tokens
-    nope: int = 0             # 1: the linear part's maps see q, k with RoPE undone (issue 41;
-                              # LoLCATs
-                              # maps the rotated ones): its weights then do not depend on the
-                              # position
+    nope: int = 0             # 1: the linear part's maps see q, k with RoPE undone (issue 41), so
+                              # their weights do not depend on the position (LoLCATs: rotated q, k)
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -544,22 +532,20 @@ class AttnSpec:
             key, eq, value = item.partition('=')
             key = OPTION_ALIASES.get(key, key)
             if not eq or key in settings or key in options:
-                raise UsageError(f"attention spec {s!r}: expected name:key=value:.. with distinct "
-                                 f"keys, got {item!r}")
-            if cls.settings().get(key) is not str:   # a str setting stays as written ('0+2' is not
-                                                     # JSON)
+                raise UsageError(f"attention spec {s!r}: expected name:key=value:.. "
+                                 f"with distinct keys, got {item!r}")
+            if cls.settings().get(key) is not str:   # a str setting as written ('0+2': not JSON)
                 with contextlib.suppress(ValueError):
                     value = json.loads(value)
             (settings if key in cls.settings() else options)[key] = value
         return cls(name, options=options, **settings)
 
     def __str__(self):
-        parts = [f'{f.name}={getattr(self, f.name)}' for f in fields(self)
-                 if f.name in self.settings() and getattr(self, f.name) != f.default]
-        for key, value in self.options:
-            parts.append(
-                f'{key}={value if isinstance(value, str) else json.dumps(value, default=str)}')
-        return ':'.join([self.name] + parts)
+        settings = [f'{f.name}={getattr(self, f.name)}' for f in fields(self)
+                    if f.name in self.settings() and getattr(self, f.name) != f.default]
+        options = [f'{k}={v if isinstance(v, str) else json.dumps(v, default=str)}'
+                   for k, v in self.options]
+        return ':'.join([self.name] + settings + options)
 
 # ---- 4. linear attention: quadratic, chunked, recurrent, triton -------------
 # The PyTorch forms return unnormalised parts: the normaliser rides along as a value column of ones,
@@ -579,8 +565,7 @@ def _start(initial_state, B, H, F, D, like):
     zeros with no key seen (m = NO_KEY); m keeps its dtype (float64 under a decay)."""
     if initial_state is None:
         return like.new_zeros(B, H, F, D + 1), like.new_full((B, H), NO_KEY)
-    S = initial_state[0]
-    z = initial_state[1]
+    S, z = initial_state[:2]
     m = initial_state[2] if len(initial_state) > 2 else like.new_zeros(B, H)
     return torch.cat([S, z[..., None]], -1).to(like.dtype), m
 
@@ -680,23 +665,23 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
     an initial_state. impl 'chunked' runs the Triton kernel on CUDA with triton installed, where it
     fits (causal, F <= 256, D <= 128), else PyTorch's chunked path; 'triton' insists."""
     _choose('impl', impl, IMPLS)
-    if phi_q.dim() != 4 or v.dim() != 4 or phi_k.shape != phi_q.shape \
-            or v.shape[:3] != phi_k.shape[:3]:
-        raise ValueError(f"phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); got "
-                         f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
+    if phi_q.dim() != 4 or phi_k.shape != phi_q.shape \
+            or v.dim() != 4 or v.shape[:3] != phi_k.shape[:3]:
+        raise ValueError("phi_q, phi_k must be (B, H, T, F) and v (B, H, T, D); "
+                         f"got {tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
     F = phi_q.shape[-1]
     D = v.shape[-1]
     fits = causal and kernels.triton_available(v) and kernels.supports(F, D)   # the kernel fits
     if impl == 'triton' and not fits:
         raise UsageError(
-            f"impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and F <= "
-            f"{kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; got causal={causal}, "
-            f"{v.device.type}, F={F}, D={D}: use impl='chunked'")
+            "impl='triton' needs causal attention, CUDA tensors (or TRITON_INTERPRET=1) and "
+            f"F <= {kernels.MAX_FEATURE_DIM}, D <= {kernels.MAX_HEAD_DIM}; "
+            f"got causal={causal}, {v.device.type}, F={F}, D={D}: use impl='chunked'")
     if impl == 'triton' or (impl == 'chunked' and v.is_cuda and fits):
-        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state, return_state,
-                                               c_k=c_k)
-    parts = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size, initial_state, c_k)
-    num, den, _, state = parts
+        return kernels.causal_linear_attention(phi_q, phi_k, v, eps, initial_state,
+                                               return_state, c_k=c_k)
+    num, den, _, state = linear_attention_parts(phi_q, phi_k, v, causal, impl, chunk_size,
+                                                initial_state, c_k)
     y = divide(num, den + eps).to(v.dtype)
     shifted = c_k is not None or len(initial_state or ()) > 2
     return (y, state if shifted else state[:2]) if return_state else y
@@ -729,12 +714,13 @@ def monotonicity(w, q, k, causal=True):
     (rows with fewer than 3 keys skipped), averaged per head. Returns (rho (B, H) float64, (scores,
     weights) of every visible pair, 1-D)."""
     s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
-    w, T = w.double(), w.shape[-1]
+    w = w.double()
+    T = w.shape[-1]
     rhos = []
     for i in range(2 if causal else 0, w.shape[-2]):
         rs, rw = (ranks(x[..., i, :i + 1 if causal else T]) for x in (s, w))
-        rs = rs - rs.mean(-1, keepdim=True)
-        rw = rw - rw.mean(-1, keepdim=True)
+        rs -= rs.mean(-1, keepdim=True)   # centred
+        rw -= rw.mean(-1, keepdim=True)
         norms = (rs.square().sum(-1) * rw.square().sum(-1)).sqrt()
         rhos.append((rs * rw).sum(-1) / (norms + 1e-30))
     vis = (causal_mask(T, T, w.device) | (not causal)).expand_as(w)   # the visible pairs

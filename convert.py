@@ -1,27 +1,22 @@
 """Convert a pretrained softmax Transformer into a linear-attention one (LoLCATs' recipe).
 
-Attention transfer, then LoRA, with Hedgehog's distillation loss and DoF's feature-dimension
-selection.
+Attention transfer, then LoRA; Hedgehog's distillation loss; DoF's feature-dimension selection.
 
     python convert.py --init_from gpt2 --attn hedgehog --data data/tinyshakespeare/input.txt
+    python convert.py --report runs/a,runs/b             # the summary table of several conversions
+    torchrun --nproc_per_node N convert.py ... [--fsdp]  # N processes (DDP), or each block sharded
+                                                         # over them (FSDP2)
+The README's recipe:
     python convert.py --init_from SmolLM2.gguf --attn lolcats:window=64 --block_size 1024 ...
-                                                        # (the README's recipe)
-    python convert.py --report runs/a,runs/b            # the summary table of several conversions
-    torchrun --nproc_per_node N convert.py ... [--fsdp] # N processes (DDP), or each block
-                                                        # sharded over them (FSDP2)
 
 The pipeline (`run`):
     teacher = model.load(init_from)        our ckpt.pt, a HF folder or hub name, or a .gguf file
-    select_feature_dims                    optional: per-layer feature dims from the degrees of
-                                           freedom (DoF)
-    swap                                   new attention cores on --layers; q/k/v/o and
-                                           everything else kept
+    select_feature_dims                    optional: per-layer feature dims from the DoF
+    swap                                   new attention cores on --layers; all else kept
     core.calibrate (attention.py)          data-dependent init: LLN's moments, the 'mix' share
-    transfer  (stage 1)                    only the cores train, each layer on its teacher's own
-                                           q, k, v
+    transfer  (stage 1)                    only the cores train, each on its teacher's q, k, v
     finetune  (stage 2)                    LoRA on q/k/v/o (or every weight) with the task loss
-    model.save(out_dir/ckpt.pt, base=...)  only the new tensors; model.load(out_dir) rebuilds the
-                                           rest
+    model.save(out_dir/ckpt.pt, base=...)  only the new tensors (model.load rebuilds the rest)
 After the swap and each stage, `evaluate` measures quality and attention fidelity (summary.json).
 Both stages run train.fit, the project's one training loop (progress lines, the non-finite-loss
 stop), in one process or under torchrun (each process its share of the --grad_accum micro-batches;
@@ -47,72 +42,69 @@ import model as M
 import train
 from train import num
 
-# stage-2 learning rates (LoRA, full finetune)
-LORA_LR = 1e-3
-FULL_LR = 3e-4
-FIDELITY_BATCHES = 2            # attention fidelity is quadratic in T: the first 2 held-out
-                                # batches,
-FIDELITY_TOKENS = 1024          # their first 1024 tokens (causal: the same rows; at 4096 SmolLM2's
-                                # took 13 GB)
+LORA_LR = 1e-3                  # stage 2's learning rate with LoRA,
+FULL_LR = 3e-4                  # and for a full finetune
+# attention fidelity is quadratic in T: it reads the first 2 held-out batches, their first 1024
+# tokens (causal: the same rows; at 4096 SmolLM2's took 13 GB)
+FIDELITY_BATCHES = 2
+FIDELITY_TOKENS = 1024
 CALIB_BATCHES = 4               # training batches for calibration and DoF
-DOF_TOKENS = 4096               # DoF: the queries and keys of at most this many real tokens per
-                                # head
+DOF_TOKENS = 4096               # DoF: the queries and keys of at most this many real tokens a head
 
 @dataclass
 class ConvertConfig:
-    init_from: str = 'gpt2'       # the teacher: our checkpoint, a HF folder or hub name, or a .gguf
-                                  # file
-    tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces the teacher's
-                                  # own
+    init_from: str = 'gpt2'       # the teacher: our checkpoint, a HF folder or hub name,
+                                  # or a .gguf file
+    tokenizer: str = ''           # a HF folder or .gguf file whose tokenizer replaces
+                                  # the teacher's own
     attn: str = 'hedgehog'        # the student's attention: hedgehog, lolcats:window=64:sinks=4,
-                                  # dof:feature_dim=64,
-                                  # softmax:window=64 (no linear part); softmax: the control run,
-                                  # stage 2 on the teacher
+                                  # dof:feature_dim=64, softmax:window=64 (no linear part);
+                                  # softmax: the control run, stage 2 on the teacher
     layers: str = 'all'           # layers to convert: all | 0,2,5 | 0-3 | -1
-    task: Literal['lm', 'glue'] = 'lm'   # lm: next-token loss, perplexity; glue: a BERT classifier,
-                                         # its metric
+    task: Literal['lm', 'glue'] = 'lm'   # lm: next-token loss, perplexity;
+                                         # glue: a BERT classifier, its metric
     data: str = 'data/tinyshakespeare/input.txt'   # text (as train.py reads it), or the GLUE folder
     val_data: str = ''            # lm: held-out text ('' = the last 10 % of --data)
     glue_task: Literal[tuple(train.GLUE_TASKS)] = 'cola'
     block_size: int = num(128, ge=2)   # sequence length (at most the model's)
     batch_size: int = num(8, ge=1)   # per process, per micro-step
-    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step, over all processes (torchrun
-                                     # divides it)
-    eval_batches: int = num(8, ge=1)   # lm: held-out windows of block_size for quality (glue: the
-                                       # whole dev set)
+    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step,
+                                     # over all processes (torchrun divides it)
+    eval_batches: int = num(8, ge=1)   # lm: held-out windows of block_size for quality
+                                       # (glue: the whole dev set)
     stage1_iters: int = num(200, ge=0)   # attention-transfer steps
     lr: float = num(1e-2, gt=0, le=1)   # stage-1 learning rate (AdamW, no weight decay)
     loss: str = 'auto'            # ce (Hedgehog Eq. 4) | mse (LoLCATs outputs) | l2 (DoF kernel) |
                                   # sums: ce+0.1*mse;
                                   # auto: mse for lolcats and the hybrids, ce otherwise
-    dof_budget: float = num(0.0, ge=0, le=2**16)   # > 0: per-layer feature dims from the DoF, this
-                                                   # mean (DoF Alg. 1)
-    dof_lambda: float = num(2 ** -4, gt=0)   # lambda of tr(G (G + lambda I)^-1) (the paper's value
-                                             # for GPT-2)
-    dof_samples: int = num(256, ge=2, le=2 * DOF_TOKENS)   # J, the points sampled per head (of its
-                                                           # queries and keys)
-    dof_clip: bool = False        # DoF + Clip: at most head_dim per layer (hedgehog: 2 head_dim),
-                                  # not redistributed
-    exact_heads: int = num(0, ge=0)   # > 0: this many KV heads (of all layers') stay exact softmax
-                                      # (spec exact=)
-    exact_rank: Literal['probe', 'random'] = 'probe'   # which: the teacher's retrieval probe's
-                                                       # best, or at random
+    dof_budget: float = num(0.0, ge=0, le=2**16)   # > 0: per-layer feature dims from the DoF,
+                                                   # this mean (DoF Alg. 1)
+    dof_lambda: float = num(2 ** -4, gt=0)   # lambda of tr(G (G + lambda I)^-1)
+                                             # (the paper's value for GPT-2)
+    dof_samples: int = num(256, ge=2, le=2 * DOF_TOKENS)   # J, the points sampled per head
+                                                           # (of its queries and keys)
+    dof_clip: bool = False        # DoF + Clip: at most head_dim per layer
+                                  # (hedgehog: 2 head_dim), not redistributed
+    exact_heads: int = num(0, ge=0)   # > 0: this many KV heads (of all layers')
+                                      # stay exact softmax (spec exact=)
+    exact_rank: Literal['probe', 'random'] = 'probe'   # which: the teacher's retrieval
+                                                       # probe's best, or at random
     stage2_iters: int = num(200, ge=0)   # finetuning steps
-    lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's --lora_targets (alpha = 2 rank); 0
-                                    # = full finetune
-    lora_targets: str = 'q,k,v,o'   # the projections LoRA adapts; v,o: q and k stay the teacher's
-                                    # (QK-Restore)
-    passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches: retrieval
-                                                # samples (passkey_batch)
+    lora_rank: int = num(8, ge=0)   # LoRA rank on every layer's --lora_targets
+                                    # (alpha = 2 rank); 0 = full finetune
+    lora_targets: str = 'q,k,v,o'   # the projections LoRA adapts;
+                                    # v,o: q and k stay the teacher's (QK-Restore)
+    passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches:
+                                                # retrieval samples (passkey_batch)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
-    fsdp: bool = False            # under torchrun: every block sharded over the processes (FSDP2),
-                                  # for a teacher
-                                  # too big for one device; LoRA only (--lora_rank > 0), --task lm
+    fsdp: bool = False            # under torchrun: every block sharded over the processes
+                                  # (FSDP2), for a teacher too big for one device;
+                                  # LoRA only (--lora_rank > 0), --task lm
     seed: int = num(0, ge=0, lt=2**32)
-    report: str = ''              # comma-separated convert.py out_dirs: print their summary table
-                                  # and exit
+    report: str = ''              # comma-separated convert.py out_dirs:
+                                  # print their summary table and exit
 
     def __post_init__(self):
         train.check_ranges(self)
@@ -132,8 +124,8 @@ class ConvertConfig:
         if self.passkey_mix and self.task != 'lm':
             raise UsageError("--passkey_mix is for --task lm")
 
-KERNEL_MAPS = ('dof', 'performer', 'taylor')   # phi(q).phi(k) estimates exp(q.k/sqrt d): the maps
-                                               # l2 fits
+# the maps --loss l2 fits: their phi(q).phi(k) estimates exp(q.k/sqrt d)
+KERNEL_MAPS = ('dof', 'performer', 'taylor')
 
 def loss_weights(spec, attn):
     """'ce+0.1*mse' -> {'ce': 1.0, 'mse': 0.1}; auto: mse for lolcats and the hybrids (LoLCATs),
@@ -176,9 +168,9 @@ def parse_layers(spec, n_layer):
             out.add(i % n_layer)
     return sorted(out)
 
-# ---- DoF feature-dimension selection (Nishikawa et al. 2025, Sec. 3, Algorithm 1; DoF + Clip: Sec.
-# 4.2) ---- Per head the DoF of the kernel's Gram matrix / J (the paper gives no J: 256); per layer
-# their max.
+# ---- DoF feature-dimension selection -----------------------------------------
+# Nishikawa et al. 2025, Sec. 3, Algorithm 1 (DoF + Clip: Sec. 4.2): per head the DoF of the
+# kernel's Gram matrix / J (the paper gives no J: 256); per layer their max.
 DOF_LAMBDA_GPT2 = 2 ** -4  # the paper's lambda for GPT-2 (Sec. 4.1; 2^-8 for Pythia-1B)
 
 def exp_gram(x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +198,7 @@ def head_dofs(q: torch.Tensor, k: torch.Tensor, lam: float, n_samples: int = 256
     """DoF of each head (Algorithm 1's loop over heads): J = n_samples points drawn without
     replacement from the head's 2M pooled queries and keys; q, k (H, M, D)."""
     return [degrees_of_freedom(
-        exp_gram(x[torch.randperm(len(x), generator=generator)[:n_samples]]), lam)
+                exp_gram(x[torch.randperm(len(x), generator=generator)[:n_samples]]), lam)
             for x in torch.cat([q, k], 1)]   # x: a head's (2M, D) queries and keys
 
 def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1) -> list[int]:
@@ -215,7 +207,8 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
     min_dim are raised to it, the others share the rest in proportion, rounded by largest remainder
     so the dims sum to round(C L). clip: DoF + Clip (Sec. 4.2, at the head size): then clamped,
     nothing redistributed (mean cost < C)."""
-    dofs, L = [float(d) for d in dofs], len(dofs)
+    dofs = [float(d) for d in dofs]
+    L = len(dofs)
     if budget <= 0:
         raise ValueError(f'budget must be > 0, got {budget}')
     if any(d < 0 or not math.isfinite(d) for d in dofs):
@@ -226,7 +219,7 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
         raise ValueError(f'clip {clip} is below min_dim {min_dim}')
     total = max(int(round(budget * L)), min_dim * L)
     w = [d if d > 0 else 1e-12 for d in dofs]
-    floored: set[int] = set()
+    floored = set()
     while True:  # layers whose share is below min_dim get min_dim; the others share the rest
         free = [i for i in range(L) if i not in floored]
         sw = sum(w[i] for i in free)
@@ -237,10 +230,10 @@ def allocate_dims(dofs, budget: float, clip: int | None = None, min_dim: int = 1
         floored.update(under)
     real = [float(min_dim) if i in floored else share[i] for i in range(L)]
     dims = [max(min_dim, math.floor(r + 1e-9)) for r in real]
-    order = sorted(range(L), key=lambda i: (real[i] - math.floor(real[i] + 1e-9),
-                                            w[i]), reverse=True)
-    for i in order[:max(0, total - sum(dims))]:  # largest remainders first (fewer than L units are
-                                                 # left)
+    # largest remainders first (ties: the larger DoF); fewer than L units are left
+    order = sorted(range(L), reverse=True,
+                   key=lambda i: (real[i] - math.floor(real[i] + 1e-9), w[i]))
+    for i in order[:max(0, total - sum(dims))]:
         dims[i] += 1
     return dims if clip is None else [min(d, int(clip)) for d in dims]
 
@@ -255,8 +248,8 @@ def select_feature_dims(layer_qk: dict, budget: float, lam: float = DOF_LAMBDA_G
     g = torch.Generator().manual_seed(seed)
     per_head = [head_dofs(*layer_qk[l], lam, n_samples, g) for l in layers]
     layer_dof = [max(d) for d in per_head]
-    alloc = lambda c: [unit * d for d in allocate_dims(layer_dof, budget / unit, clip=c
-                                                       and c // unit, min_dim=max(1, 2 // unit))]
+    alloc = lambda c: [unit * d for d in allocate_dims(   # in units, then in feature dims
+        layer_dof, budget / unit, clip=c and c // unit, min_dim=max(1, 2 // unit))]
     dims = alloc(clip)
     free = alloc(None)
     table = [dict(layer=l, dof_heads=[round(x, 3) for x in h], dof_max=round(d, 3), feature_dim=fd,
@@ -270,24 +263,23 @@ def format_dof_table(table, budget, lam, n_samples, clip=None) -> str:
     """The per-layer DoF table (markdown) with its settings, the mean cost and a note where DoF
     nears J."""
     c = clip is not None
+    at_clip = f', DoF + Clip at {clip}' if c else ''
     lines = [f'DoF feature-dimension selection (DoF Alg. 1): lambda={lam:g}, J={n_samples}, '
-             f'G = exp(x_i.x_j/sqrt d) / J, budget C={budget:g}' + (
-                 f', DoF + Clip at {clip}' if c else ''),
+             f'G = exp(x_i.x_j/sqrt d) / J, budget C={budget:g}{at_clip}',
              '| layer | DoF per head | max DoF | feature_dim |' + (' before clip |' if c else ''),
              '|---|---|---|---|' + ('---|' if c else '')]
-    lines += [
-        f"| {r['layer']} | {' '.join(f'{x:.1f}' for x in r['dof_heads'])} | {r['dof_max']:.2f} | "
-        f"{r['feature_dim']} |" + (f" {r['unclipped']} |" if c else '') for r in table]
+    lines += [f"| {r['layer']} | {' '.join(f'{x:.1f}' for x in r['dof_heads'])} | "
+              f"{r['dof_max']:.2f} | {r['feature_dim']} |" + (f" {r['unclipped']} |" if c else '')
+              for r in table]
     if table:
         n_clipped = sum(r['unclipped'] > r['feature_dim'] for r in table) if c else 0
-        lines.append(
-            f"mean feature_dim = {sum(r['feature_dim'] for r in table) / len(table):g} (budget C = "
-            "" f'{budget:g}' + (f'; {n_clipped} of {len(table)} layers clipped at {clip}'
-                                if c else '') + ')')
+        clipped = f'; {n_clipped} of {len(table)} layers clipped at {clip}' if c else ''
+        lines.append(f"mean feature_dim = {sum(r['feature_dim'] for r in table) / len(table):g} "
+                     f"(budget C = {budget:g}{clipped})")
         top = max(r['dof_max'] for r in table)
         if top > 0.9 * n_samples:
             lines.append(f'note: max DoF {top:.1f} is near J = {n_samples}, where the estimate '
-                         'saturates; ' 'a larger --dof_lambda separates the layers')
+                         'saturates; a larger --dof_lambda separates the layers')
     return '\n'.join(lines)
 
 # ---- stage 1: the attention-transfer loss of one layer, on its teacher's q, k, v ----
@@ -308,26 +300,22 @@ def _row_mean(x, mask):
 def transfer_loss(core, q, k, v, mask, weights):
     """The stage-1 loss of one student core: a weighted sum of
       ce  soft-label cross-entropy of the attention weights (Hedgehog Eq. 4; T x T),
-      mse squared error of the attention outputs (LoLCATs; through the core's own chunked path,
-          never T x T),
-      l2  squared error of the unnormalised kernel phi(q).phi(k) against exp(q.k/sqrt d)
-          (DoF; T x T)."""
-    kw = {} if mask is None else {'key_padding_mask': mask}
+      mse squared error of the attention outputs (LoLCATs; the core's chunked path, not T x T),
+      l2  squared error of the raw kernel phi(q).phi(k) against exp(q.k/sqrt d) (DoF; T x T)."""
     w_t, y_t = _teacher(core, q, k, v, mask, weights=bool(weights.get('ce')))
     loss = 0.0
     if weights.get('ce'):
-        ce = -(w_t * core.weights(q, k, **kw).clamp(min=1e-12).log()).sum(-1)    # (B, H, T)
+        w = core.weights(q, k, key_padding_mask=mask)
+        ce = -(w_t * w.clamp(min=1e-12).log()).sum(-1)                           # (B, H, T)
         loss = loss + weights['ce'] * _row_mean(ce, mask)
     if weights.get('mse'):
-        loss = loss + weights['mse'] * _row_mean(
-            (core(q, k, v, **kw) - y_t).square().mean(-1), mask)
-    if weights.get('l2'):   # (loss_weights allows it only for the KERNEL_MAPS), on the heads with a
-                            # map
+        err = (core(q, k, v, key_padding_mask=mask) - y_t).square().mean(-1)     # (B, H, T)
+        loss = loss + weights['mse'] * _row_mean(err, mask)
+    if weights.get('l2'):   # (only for the KERNEL_MAPS: loss_weights), on the heads with a map
         q = q[:, core.rest_q]
         k = k[:, core.rest_q]
-        phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))   # the kernel,
-                                                                              # unnormalised:
-        # shifts undone
+        # the kernel unnormalised: the features with their shifts undone
+        phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))
         phi_q = phi_q * torch.exp(c_q)[..., None]
         phi_k = phi_k * torch.exp(c_k)[..., None]
         if mask is not None:
@@ -340,8 +328,10 @@ def transfer_loss(core, q, k, v, mask, weights):
 def _teacher_qkv(model, batch, layers, device):
     """{layer: (q, k, v, key mask)} (model.capture_qkv) as the teacher runs on a text (x, y) or a
     GLUE batch."""
-    x, mask, types = (t.to(device) for t in batch[:3]) if len(batch) == 4 else (
-        batch[0].to(device), None, None)
+    x = batch[0].to(device)
+    mask = types = None      # text: (x, y)
+    if len(batch) == 4:      # GLUE: (idx, mask, token types, labels)
+        mask, types = (t.to(device) for t in batch[1:3])
     with model.capture_qkv(layers, teacher=True) as rec:
         model.hidden_states(x, attention_mask=mask, token_type_ids=types)
     return rec
@@ -349,14 +339,13 @@ def _teacher_qkv(model, batch, layers, device):
 def load_task(cfg, model):
     """train.Task with the teacher's tokenizer: --data's text (held out: --val_data or its last 10
     %), or the GLUE task's train and dev sets."""
-    tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (resolve: its ids fit the
-                                                                        # model)
+    tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (its ids fit the model)
     if cfg.passkey_mix:   # a stage-2 retrieval sample drawn before any work: its error now
         passkey_batch(tok, torch.Generator(), cfg.block_size, 1)
-    return train.Task(train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
-                                       val_data=cfg.val_data, glue_task=cfg.glue_task,
-                                       batch_size=cfg.batch_size, seq_len=cfg.block_size,
-                                       seed=cfg.seed), tok)
+    data = train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
+                            val_data=cfg.val_data, glue_task=cfg.glue_task,
+                            batch_size=cfg.batch_size, seq_len=cfg.block_size, seed=cfg.seed)
+    return train.Task(data, tok)
 
 @torch.no_grad()
 def evaluate(model, module, task, cfg, rt, layers):
@@ -375,22 +364,23 @@ def evaluate(model, module, task, cfg, rt, layers):
     cores = model.attention_cores()
     kl = {l: 0.0 for l in layers}
     mse = {l: 0.0 for l in layers}
-    batches = [task.batch('val', s) for s in task.eval_batches('val',
-                                                               FIDELITY_BATCHES)] if layers else []
+    sels = task.eval_batches('val', FIDELITY_BATCHES) if layers else []
+    batches = [task.batch('val', s) for s in sels]
     for b in batches:
         rec = _teacher_qkv(model, b, layers, rt.device)
         for l in layers:
+            core = cores[l]
             q, k, v, mask = rec[l]
-            if cores[l].causal:   # (bidirectional: GLUE's short padded batches, whole)
+            if core.causal:   # (bidirectional: GLUE's short padded batches, whole)
                 q, k, v = (x[:, :, :FIDELITY_TOKENS] for x in (q, k, v))
-            w_t, y_t = _teacher(cores[l], q, k, v, mask)
-            kw = {} if mask is None else {'key_padding_mask': mask}
-            kl[l] += float(_row_mean(A.kl_divergence(w_t, cores[l].weights(q, k, **kw)),
-                                     mask)) / len(batches)
-            mse[l] += float(_row_mean((cores[l](q, k, v, **kw) - y_t).square().mean(-1),
-                                      mask)) / len(batches)
-    return dict(out, kl_layers=kl, mse_layers=mse, kl_mean=sum(kl.values()) / max(len(kl), 1),
-                mse_mean=sum(mse.values()) / max(len(mse), 1))
+            w_t, y_t = _teacher(core, q, k, v, mask)
+            kl_rows = A.kl_divergence(w_t, core.weights(q, k, key_padding_mask=mask))   # (B, H, T)
+            mse_rows = (core(q, k, v, key_padding_mask=mask) - y_t).square().mean(-1)
+            kl[l] += float(_row_mean(kl_rows, mask)) / len(batches)
+            mse[l] += float(_row_mean(mse_rows, mask)) / len(batches)
+    n = max(len(layers), 1)
+    return dict(out, kl_layers=kl, mse_layers=mse, kl_mean=sum(kl.values()) / n,
+                mse_mean=sum(mse.values()) / n)
 
 # ---- the pipeline ------------------------------------------------------------
 def teacher_qk(model, batches, layers, rt):
@@ -400,13 +390,13 @@ def teacher_qk(model, batches, layers, rt):
     recs = [_teacher_qkv(model, b, layers, rt.device) for b in batches]
     out = {}
     T = max(r[l][0].shape[2] for r in recs for l in layers)
-    # noqa: E731
-    grow = lambda x, d: torch.cat([x, x.new_zeros(*x.shape[:d], T - x.shape[d],
-                                                  *x.shape[d + 1:])], d)
+
+    def grow(x, d):   # x zero-padded to T along dimension d
+        return torch.cat([x, x.new_zeros(*x.shape[:d], T - x.shape[d], *x.shape[d + 1:])], d)
     for l in layers:
         q, k = (torch.cat([grow(r[l][i].float(), 2) for r in recs]) for i in (0, 1))
-        masks = [torch.ones(r[l][0].shape[0], r[l][0].shape[2], dtype=torch.bool, device=q.device)
-                 if r[l][3] is None else r[l][3].bool() for r in recs]
+        masks = [torch.ones_like(r[l][0][:, 0, :, 0], dtype=torch.bool) if r[l][3] is None
+                 else r[l][3].bool() for r in recs]   # (N, T)
         out[l] = (q, k, torch.cat([grow(m, 1) for m in masks]))
     return out
 
@@ -430,12 +420,11 @@ def retrieval_scores(model, tok, device, length=1024, samples=3, seed=1):
         keys = sorted({t for a, b in p['keys'] for t in range(*train.token_span(tok, text, a, b))})
         with model.capture_qkv(teacher=True) as rec:
             model(torch.tensor([ids], device=device))
+        mask = A.causal_mask(len(ids) - n + 1, len(ids), device)   # the answer's rows, causal
         for l, (q, k, _, _) in rec.items():
-            w = A.softmax_weights(q[:, :, n - 1:], k, attn_mask=A.causal_mask(len(ids) - n + 1,
-                                                                              len(ids), q.device))
-            score[l] += w[0][...,
-                             keys].sum(-1).mean(-1).double().cpu().view(cfg.n_kv_head,
-                                                                        -1).mean(-1) / len(prompts)
+            w = A.softmax_weights(q[:, :, n - 1:], k, attn_mask=mask)[0]   # (H, rows, T)
+            mass = w[..., keys].sum(-1).mean(-1).double().cpu()            # (H,): on the key
+            score[l] += mass.view(cfg.n_kv_head, -1).mean(-1) / len(prompts)   # per KV head
     return score
 
 def exact_heads(scores, n, rank='probe', seed=0):
@@ -443,8 +432,8 @@ def exact_heads(scores, n, rank='probe', seed=0):
     best scores (rank 'probe'), or n at random (the control)."""
     flat = scores.flatten()
     cand = (flat >= 0).nonzero()[:, 0]
-    order = cand[flat[cand].argsort(descending=True)] if rank == 'probe' else \
-        cand[torch.randperm(len(cand), generator=torch.Generator().manual_seed(seed))]
+    shuffled = torch.randperm(len(cand), generator=torch.Generator().manual_seed(seed))
+    order = cand[flat[cand].argsort(descending=True) if rank == 'probe' else shuffled]
     out = {}
     for i in sorted(order[:n].tolist()):
         out.setdefault(i // scores.shape[1], []).append(i % scores.shape[1])
@@ -454,24 +443,24 @@ def swap(model, cfg, layers, qk):
     """New attention cores on `layers` (DoF: each with its own feature_dim, from the teacher's q, k;
     with --exact_heads, the heads kept exact on each layer), calibrated on the teacher's q, k."""
     spec = cfg.spec
-    specs = {l: cfg.spec for l in layers}
+    specs = {l: spec for l in layers}
     out = {}
     if cfg.dof_budget:   # hedgehog's F is 2 x its MLP outputs (so its clip is 2 head_dim)
         unit = 2 if spec.name == 'hedgehog' else 1
-        # (nope: RoPE undone)
-        seen = {l: M.make_core(model.config, spec).map_inputs(*qk[l][:2]) for l in layers}
-        pooled = {l: tuple(x.transpose(1, 2)[qk[l][2]].transpose(0, 1)[:, :DOF_TOKENS].cpu()
-                           for x in seen[l])
-                  for l in layers}   # (H, N, D): the real tokens
+        pooled = {}
+        for l in layers:   # (H, N, D): the real tokens, as the map sees them (nope: RoPE undone)
+            q, k, real = qk[l]
+            seen = M.make_core(model.config, spec).map_inputs(q, k)
+            pooled[l] = tuple(x.transpose(1, 2)[real].transpose(0, 1)[:, :DOF_TOKENS].cpu()
+                              for x in seen)
         clip = unit * model.config.head_dim if cfg.dof_clip else None
         dims, out['dof_table'] = select_feature_dims(pooled, cfg.dof_budget, cfg.dof_lambda,
                                                      cfg.dof_samples, clip, unit, cfg.seed)
-        specs = {l: replace(spec, options=tuple(
-            sorted({**dict(spec.options), 'feature_dim': d}.items()))) for l, d in dims.items()}
+        specs = {l: replace(spec, options={**dict(spec.options), 'feature_dim': d})
+                 for l, d in dims.items()}
     if cfg.exact_heads:
         scores = retrieval_scores(model, model.tokenizer, next(model.parameters()).device)
-        scores[[l for l in range(len(scores)) if l not in layers]] = -1.0   # heads of converted
-                                                                            # layers only
+        scores[[l for l in range(len(scores)) if l not in layers]] = -1.0   # converted layers only
         out.update(retrieval_scores=scores.tolist(),
                    exact_heads=exact_heads(scores, cfg.exact_heads, cfg.exact_rank, cfg.seed))
         specs.update({l: replace(specs[l], exact='+'.join(map(str, h)))
@@ -480,8 +469,8 @@ def swap(model, cfg, layers, qk):
     for l, s in specs.items():   # (set_attention: on the model's device)
         model.set_attention(s, [l])
         model.attention_cores()[l].calibrate(*qk[l])   # LLN's moments, the 'mix' window share
-    out['feature_dims'] = {l: getattr(model.attention_cores()[l].fmap,
-                                      'feature_dim', 0) for l in layers}
+    cores = model.attention_cores()
+    out['feature_dims'] = {l: getattr(cores[l].fmap, 'feature_dim', 0) for l in layers}
     return out
 
 def _schedule(cfg, iters, lr):
@@ -507,8 +496,8 @@ def transfer(model, task, cfg, rt, layers):
     params = [p for l in layers for n, p in cores[l].named_parameters()
               if n.startswith('fmap.') or w.get('ce') or w.get('mse')]
     if not params or not cfg.stage1_iters:
-        print("stage 1: skipped" + ('' if cfg.stage1_iters else ' (0 steps)') + (
-            ' (the map has no trainable parameters)' if not params else ''), flush=True)
+        print("stage 1: skipped" + ('' if cfg.stage1_iters else ' (0 steps)')
+              + ('' if params else ' (the map has no trainable parameters)'), flush=True)
         return None
     model.requires_grad_(False)
     for p in params:
@@ -516,8 +505,8 @@ def transfer(model, task, cfg, rt, layers):
 
     def loss_fn(net, batch):   # net: the cores, or their DDP wrapper
         rec = _teacher_qkv(model, batch, layers, rt.device)
-        return net(lambda: sum(transfer_loss(cores[l], *rec[l], cfg.weights)
-                               for l in layers) / len(layers))
+        return net(lambda: sum(transfer_loss(cores[l], *rec[l], cfg.weights) for l in layers)
+                   / len(layers))
     model.eval()   # no dropout in the teacher; the students' parameters still get gradients
     out = train.fit(Through(cores[l] for l in layers), params, loss_fn, task.next_batch,
                     _schedule(cfg, cfg.stage1_iters, cfg.lr), rt, log_name='stage1.jsonl')
@@ -536,9 +525,11 @@ def passkey_batch(tok, gen, block_size, batch_size):
     ys = []
     lo = block_size // 4
     hi = max(block_size - 7, lo + 1)   # room left for the answer: ' ' and the key's 5 digits
+    draw = lambda a, b: int(torch.randint(a, b, (), generator=gen))   # in [a, b)
     for _ in range(batch_size):
-        seed, depth, length = (int(torch.randint(a, b, (), generator=gen)) for a, b in (
-            (0, 2**31), (0, 101), (lo, hi)))
+        seed = draw(0, 2**31)
+        depth = draw(0, 101)
+        length = draw(lo, hi)
         p = train.passkey_prompts(tok, [length], depths=(depth,), samples=1, seed=seed,
                                   template='train')[0]
         n_prompt = len(tok.encode(p['input']))
@@ -550,9 +541,8 @@ def passkey_batch(tok, gen, block_size, batch_size):
             raise UsageError(f"--passkey_mix: a retrieval sample takes at least {len(ids) - 1} "
                              f"tokens, over --block_size {block_size}; from --block_size {useful} "
                              "its key has filler before and after it (a depth)")
-        xs.append(ids[:-1])
-        ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])   # row i predicts ids[i + 1]: only the
-                                                              # answer's rows
+        xs.append(ids[:-1])   # row i predicts ids[i + 1]: y labels only the answer's rows
+        ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])
     T = max(len(x) for x in xs)
     return tuple(torch.tensor([r + [pad] * (T - len(r)) for r in rows])
                  for rows, pad in ((xs, 0), (ys, -100)))
@@ -571,10 +561,11 @@ def finetune(model, module, task, cfg, rt):
     params = [p for p in module.parameters() if p.requires_grad]
     lr = cfg.stage2_lr or (LORA_LR if cfg.lora_rank else FULL_LR)
     model.train()
+
     def batch(g):   # a retrieval sample at --passkey_mix's rate, else the task's
-        pk = cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix
-        return passkey_batch(model.tokenizer, g, cfg.block_size,
-                             cfg.batch_size) if pk else task.next_batch(g)
+        if cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix:
+            return passkey_batch(model.tokenizer, g, cfg.block_size, cfg.batch_size)
+        return task.next_batch(g)
     out = train.fit(module, params, train.task_loss, batch, _schedule(cfg, cfg.stage2_iters, lr),
                     rt, log_name='stage2.jsonl')
     model.requires_grad_(False)
@@ -608,14 +599,15 @@ def check_fits(cfg, c, layers):
     """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
     kv = len(layers) * c.n_kv_head
     side = min(c.n_embd, c.n_kv_head * c.head_dim)
-    for name, most, what in (
+    bounds = [
         ('block_size', c.block_size, f"the teacher's {c.block_size} positions"),
         ('exact_heads', kv - 1, f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
-        ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")):
+        ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")]
+    for name, most, what in bounds:
         if getattr(cfg, name) > most:
             raise UsageError(f"--{name} {getattr(cfg, name)} is more than {what}")
 
-def load_teacher(cfg, rt):
+def load_teacher(cfg):
     """The teacher of cfg.init_from and the layers to convert, with the checks that need its
     config -> (model, num_labels, layers)."""
     num_labels = train.glue_num_labels(cfg.glue_task) if cfg.task == 'glue' else 0
@@ -639,13 +631,12 @@ def run(cfg):
     t_start = time.time()
     rt = train.setup(cfg.device, 'float32', cfg.grad_accum)
     if cfg.fsdp and (not rt.ddp or cfg.task != 'lm' or not cfg.lora_rank):
-        raise UsageError(
-            "--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over torchrun's "
-            "processes: torchrun --nproc_per_node N convert.py ... --fsdp")
+        raise UsageError("--fsdp shards a --task lm conversion with LoRA (--lora_rank > 0) over "
+                         "torchrun's processes: torchrun --nproc_per_node N convert.py ... --fsdp")
     if not rt.master:   # under torchrun rank 0 prints
         sys.stdout = open(os.devnull, 'w')
     torch.manual_seed(cfg.seed)
-    model, num_labels, layers = load_teacher(cfg, rt)
+    model, num_labels, layers = load_teacher(cfg)
     c = model.config
     task = load_task(cfg, model)
     module = train.Classifier(model, num_labels) if cfg.task == 'glue' else model
@@ -713,8 +704,8 @@ def held(model, rt):
 def unigram_loss(train_ids, val_ids, vocab_size):
     """Held-out cross-entropy (nats/token) of an add-one unigram model of the training tokens: the
     no-context baseline of the recovery figure."""
-    counts = torch.bincount(torch.as_tensor(train_ids).flatten(),
-                            minlength=vocab_size).double() + 1.0
+    counts = torch.bincount(torch.as_tensor(train_ids).flatten(), minlength=vocab_size)
+    counts = counts.double() + 1.0   # add one
     return float(-(counts / counts.sum()).log()[torch.as_tensor(val_ids).flatten()].mean())
 
 # ---- the table of several conversions, and the command line ------------------
@@ -723,9 +714,9 @@ def report(dirs):
     the teacher and after each stage, mean KL to the teacher's attention, recovery (lm: 100
     (L_unigram - L) / (L_unigram - L_teacher), the share of the teacher's gain over a unigram model)
     and wall time."""
-    rows = [
-        '| run | attn | teacher | swap | stage 1 | stage 2 | KL swap | KL stage 1 | KL stage 2 | '
-        'recovery s1 % | recovery s2 % | time |', '|' + '---|' * 12]
+    rows = ['| run | attn | teacher | swap | stage 1 | stage 2 | KL swap | KL stage 1 | KL stage 2 '
+            '| recovery s1 % | recovery s2 % | time |',
+            '|' + '---|' * 12]
     fmt = lambda x, spec: '-' if x is None else format(x, spec)
     for d in dirs:
         with open(os.path.join(d, 'summary.json')) as f:
@@ -733,12 +724,12 @@ def report(dirs):
         t = s.get('teacher')
         u = s.get('unigram')
         st = [s['stages'].get(n) or {} for n in ('swap', 'stage1', 'stage2')]
-        quality = [t] + [x.get('quality') for x in st]   # ppl or the GLUE metric: teacher, swap,
-                                                         # stage 1, stage 2
+        # ppl or the GLUE metric: of the teacher, after the swap, stage 1 and stage 2
+        quality = [t] + [x.get('quality') for x in st]
         cells = [fmt((q or {}).get('ppl', (q or {}).get('dev_main')), '.4g') for q in quality]
         cells += [fmt(x.get('kl_mean'), '.3f') for x in st]
-        cells += [fmt(100 * (u - q['nll']) / (u - t['nll']) if q and u and 'nll' in q
-                      and u > t['nll'] else None, '.1f')
+        cells += [fmt(100 * (u - q['nll']) / (u - t['nll'])
+                      if q and u and 'nll' in q and u > t['nll'] else None, '.1f')
                   for q in quality[2:]]   # recovery after stages 1 and 2
         name = os.path.basename(os.path.normpath(d))
         rows.append(f"| {name} | {s['attn']} | {' | '.join(cells)} | {s['seconds']:.0f} s |")
@@ -749,8 +740,8 @@ def main(argv=None):
         cfg, _ = train.parse_config(ConvertConfig, argv, __doc__)
         print(report([d for d in cfg.report.split(',') if d])) if cfg.report else run(cfg)
         return 0
-    except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:   # one line; bugs: a
-                                                                             # traceback
+    except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:
+        # the user's error in one line (a bug keeps its traceback)
         print(f"convert.py: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

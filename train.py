@@ -44,20 +44,17 @@ import tokenizer as tokenizer_lib
 import model as M
 
 NONFINITE_EXIT = 3             # exit status of a run stopped by a non-finite loss
-BETAS = (0.9, 0.99)            # AdamW's betas (nanoGPT's beta2 0.95 -> 0.99: small models, short
-                               # runs)
+BETAS = (0.9, 0.99)            # AdamW's (nanoGPT's beta2 0.95 -> 0.99: small models, short runs)
 GRAD_CLIP = 1.0                # gradient-norm clipping (nanoGPT)
 EVAL_ITERS = 8                 # batches per split in estimate_loss
 N_TEST = 2000                  # associative recall test sequences, from seed + TEST_SEED_OFFSET:
 TEST_SEED_OFFSET = 1_000_003   # a stream disjoint from the training seed's
-INIT_STDS = {'wide': (0.08, 1.0), 'nanogpt': (0.02, 0.02)}   # scratch init std: (Linear weights,
-                                                             # embeddings)
+INIT_STDS = {'wide': (0.08, 1.0), 'nanogpt': (0.02, 0.02)}   # scratch std: (Linear, embedding)
 GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 = regression))
     'cola': (('sentence',), (), 2), 'sst2': (('sentence',), (), 2),
     'mrpc': (('sentence1', '#1 String'), ('sentence2', '#2 String'), 2),
-    'stsb': (('sentence1',), ('sentence2',), 1),
-    'qqp': (('question1',), ('question2',), 2), 'mnli': (('premise', 'sentence1'),
-                                                         ('hypothesis', 'sentence2'), 3),
+    'stsb': (('sentence1',), ('sentence2',), 1), 'qqp': (('question1',), ('question2',), 2),
+    'mnli': (('premise', 'sentence1'), ('hypothesis', 'sentence2'), 3),
     'qnli': (('question',), ('sentence',), 2), 'rte': (('sentence1',), ('sentence2',), 2)}
 
 # ---- the command line: a dataclass whose fields are the flags ----------------
@@ -92,21 +89,21 @@ def parse_config(cls, argv=None, doc=None):
     fmt = type('Help', (argparse.ArgumentDefaultsHelpFormatter,
                         argparse.RawDescriptionHelpFormatter), {})
     p = argparse.ArgumentParser(description=doc, formatter_class=fmt, allow_abbrev=False)
-    p.error = lambda msg: p.exit(2, f"{p.prog}: error: {msg}\n")   # one line, without argparse's
-                                                                   # usage block
+    p.error = lambda msg: p.exit(2, f"{p.prog}: error: {msg}\n")   # one line, no usage block
     for f in fields(cls):
         t = types[f.name]
+        flag = '--' + f.name
         h = (helps.get(f.name) or f.name).replace('%', '%%')
         if t is bool:
-            p.add_argument('--' + f.name, action='store_true', default=f.default,
+            p.add_argument(flag, action='store_true', default=f.default,
                            help=f"{h}; --no_{f.name}: off")
             p.add_argument('--no_' + f.name, dest=f.name, action='store_false',
                            help=argparse.SUPPRESS)
         elif get_origin(t) is list:   # a repeatable flag
-            p.add_argument('--' + f.name, action='append', type=get_args(t)[0], default=[], help=h)
+            p.add_argument(flag, action='append', type=get_args(t)[0], default=[], help=h)
         else:
             choices = get_args(t) if get_origin(t) is Literal else None
-            p.add_argument('--' + f.name, type=type(choices[0]) if choices else t, choices=choices,
+            p.add_argument(flag, type=type(choices[0]) if choices else t, choices=choices,
                            default=f.default, help=h)
     ns = p.parse_args(argv)   # (argparse appends to a copy of a list default)
     try:
@@ -121,8 +118,8 @@ def parse_config(cls, argv=None, doc=None):
     given = {a[2:].split('=')[0] for a in argv if a.startswith('--')}
     return cfg, {g[3:] if g.startswith('no_') and g[3:] in vars(ns) else g for g in given}
 
-_OPS = {'ge': ('>=', operator.ge), 'gt': ('>', operator.gt), 'le': ('<=', operator.le),
-        'lt': ('<', operator.lt)}
+_OPS = {'ge': ('>=', operator.ge), 'gt': ('>', operator.gt),
+        'le': ('<=', operator.le), 'lt': ('<', operator.lt)}
 
 def num(default, **bounds):
     """A numeric config field and its valid range: ge=1 (>= 1), gt=0 (> 0), le=, lt=; a bound may
@@ -145,8 +142,8 @@ def check_ranges(cfg):
 def check_device(device):
     """auto, cpu, cuda or cuda:N, and CUDA there if named (else a one-line ValueError) -> the
     device, auto resolved."""
-    if device not in ('auto', 'cpu', 'cuda') and not (device.startswith('cuda:')
-                                                      and device[5:].isdigit()):
+    if device not in ('auto', 'cpu', 'cuda') \
+            and not (device.startswith('cuda:') and device[5:].isdigit()):
         raise ValueError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N")
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but CUDA is not available (use --device cpu or auto)")
@@ -155,49 +152,48 @@ def check_device(device):
 @dataclass
 class TrainConfig:
     task: Literal['ar', 'mqar', 'text', 'glue'] = 'ar'   # ar: one query at the end, mqar: eight
-    data: str = ''                # text: a file, a folder of .txt files or a `datasets` name; glue:
-                                  # a folder
+    data: str = ''                # text: a file, a folder of .txt files or a `datasets` name;
+                                  # glue: a folder
     glue_task: Literal[tuple(GLUE_TASKS)] = 'cola'
-    ar_vocab: int = num(40, ge=4, le=2**16)   # associative recall vocabulary (keys = first half,
-                                              # values = second half)
+    ar_vocab: int = num(40, ge=4, le=2**16)   # associative recall vocabulary
+                                              # (keys = first half, values = second half)
     seq_len: int = num(128, ge=2, le=2**20)   # AR sequence length; text/GLUE context length
     n_train: int = num(10000, ge=1, le=2**20)   # AR training sequences (and 2000 test sequences)
-    init_from: str = 'scratch'    # scratch | a HF folder or hub name | a .gguf file | one of our
-                                  # checkpoints
-    tokenizer: str = ''           # text/glue: '' = bytes or the model's own | gpt2 (tiktoken) | HF
-                                  # folder, .gguf
+    init_from: str = 'scratch'    # scratch | a HF folder or hub name | a .gguf file |
+                                  # one of our checkpoints
+    tokenizer: str = ''           # text/glue: '' = bytes or the model's own |
+                                  # gpt2 (tiktoken) | HF folder, .gguf
     family: Literal['gpt2', 'llama', 'bert'] = 'llama'   # scratch models (glue: bert unless given)
     n_layer: int = num(2, ge=1, le=2**10)
     n_head: int = num(4, ge=1)
     n_embd: int = num(64, ge=1, le=2**16)
     dropout: float = num(0.0, ge=0, lt=1)
-    init: Literal[tuple(INIT_STDS)] = 'wide'   # scratch: N(0, 0.08) weights, N(0, 1) embeddings |
-                                               # all N(0, 0.02)
-    short_conv: int = num(2, ge=0, le='seq_len')   # scratch causal models: taps of a causal conv on
-                                                   # the keys (0 = none)
+    init: Literal[tuple(INIT_STDS)] = 'wide'   # scratch: N(0, 0.08) weights,
+                                               # N(0, 1) embeddings | all N(0, 0.02)
+    short_conv: int = num(2, ge=0, le='seq_len')   # scratch causal models: taps of a causal
+                                                   # conv on the keys (0 = none)
     attn: str = 'hedgehog'        # softmax or a feature map, with options: exp:t=2,
-                                  # hedgehog:feature_dim=64,
-                                  # lolcats:window=64:combine=mix, lln:diag_block=16,
-                                  # elu:impl=recurrent
+                                  # hedgehog:feature_dim=64, lolcats:window=64:combine=mix,
+                                  # lln:diag_block=16, elu:impl=recurrent
     max_iters: int = num(1000, ge=1)
     batch_size: int = num(32, ge=1)   # per process, per micro-step
-    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step, over all processes (DDP
-                                     # divides it)
+    grad_accum: int = num(1, ge=1)   # micro-steps per optimizer step,
+                                     # over all processes (DDP divides it)
     lr: float = num(3e-3, gt=0, le=1)   # AdamW; warmup, then cosine decay to lr/10 at max_iters;
                                         # gradient clipping at 1
     warmup_iters: int = num(100, ge=0)
     weight_decay: float = num(0.1, ge=0, le=1)
-    eval_interval: int = num(250, ge=0)   # evaluate and write out_dir/ckpt.pt every this many steps
-                                          # and at the end
+    eval_interval: int = num(250, ge=0)   # evaluate and write out_dir/ckpt.pt
+                                          # every this many steps and at the end
     out_dir: str = 'out'
     save: bool = True             # write out_dir/ckpt.pt
     resume: bool = False          # continue exactly from out_dir/ckpt.pt
     seed: int = num(1337, ge=0, lt=2**32)
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
-    dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'   # auto: bf16 (or fp16) on
-                                                                        # CUDA, else fp32
-    compare: str = ''             # comma-separated --attn values: one run each (same budget,
-                                  # seeds), one table
+    dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'   # auto: bf16 (or fp16)
+                                                                        # on CUDA, else fp32
+    compare: str = ''             # comma-separated --attn values: one run each
+                                  # (same budget, seeds), one table
 
     def __post_init__(self):
         check_ranges(self)
@@ -212,8 +208,7 @@ class TrainConfig:
 class DataConfig:
     """What a Task reads (train.py's flags of the same names; convert.py builds its own)."""
     task: str = 'ar'              # ar | mqar | text | glue
-    data: str = ''                # text: a file, a folder of .txt files or a `datasets` name; glue:
-                                  # a folder
+    data: str = ''                # text: a file, .txt folder or `datasets` name; glue: a folder
     val_data: str = ''            # text: the held-out text ('' = the last val_fraction of data)
     glue_task: str = 'cola'
     ar_vocab: int = 40
@@ -233,8 +228,8 @@ class Schedule:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_accum: int = 1
-    eval_interval: int = 0        # evaluate (and save) every this many steps (0: at the end only)
-                                  # and at the end
+    # evaluate (and save) every this many steps and at the end (0: at the end only)
+    eval_interval: int = 0
     out_dir: str = 'out'
     seed: int = 0
 
@@ -264,8 +259,7 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
         raise UsageError(
             f"seq_len={seq_len} leaves no room for key-value pairs and {n_queries} queries")
     keys = torch.randint(0, nk, (n, (ctx_len + 1) // 2), generator=g)
-    kv_map = torch.argsort(torch.rand(n, nk, generator=g), dim=1) + nk          # (n, nk): key ->
-                                                                                # value
+    kv_map = torch.argsort(torch.rand(n, nk, generator=g), dim=1) + nk   # (n, nk): key -> value
     vals = torch.gather(kv_map, 1, keys)
     ctx = torch.stack([keys, vals], dim=2).reshape(n, -1)[:, :ctx_len]
     # complete pairs' keys
@@ -302,16 +296,18 @@ def load_text(path_or_name, split='train'):
     if not path_or_name:
         raise UsageError(
             "--data is empty: give a text file, a folder of .txt files or a datasets name")
-    files = sorted(glob.glob(os.path.join(path_or_name, '**', '*.txt'), recursive=True)) \
-        if os.path.isdir(path_or_name) else [path_or_name] if os.path.isfile(path_or_name) else None
+    files = None   # a `datasets` name
+    if os.path.isdir(path_or_name):
+        files = sorted(glob.glob(os.path.join(path_or_name, '**', '*.txt'), recursive=True))
+    elif os.path.isfile(path_or_name):
+        files = [path_or_name]
     if files == []:
         raise UsageError(f"no .txt files under {path_or_name}")
     if files:
         text = '\n\n'.join(open(fn, encoding='utf-8', errors='replace').read() for fn in files)
         if '\0' in text:
-            raise UsageError(
-                f"{path_or_name} is not text (it has NUL bytes): give a text file or a folder of "
-                ".txt files")
+            raise UsageError(f"{path_or_name} is not text (it has NUL bytes): "
+                             "give a text file or a folder of .txt files")
         return text
     name, _, config = path_or_name.partition(':')
     if name.startswith(('/', '.', '~')) or name.endswith('.txt'):   # a path, not a `datasets` name
@@ -328,12 +324,9 @@ def load_text(path_or_name, split='train'):
 def text_splits(cfg, tok):
     """(train_ids, val_ids) of cfg.data: all of it and cfg.val_data; or a local file or folder's
     last cfg.val_fraction held out, or a `datasets` name's own validation split."""
-    if cfg.val_data:
-        return tok.encode_array(load_text(cfg.data)), tok.encode_array(
-            load_text(cfg.val_data, 'validation'))
-    if not os.path.exists(cfg.data):
-        return tuple(tok.encode_array(load_text(cfg.data, split))
-                     for split in ('train', 'validation'))
+    if cfg.val_data or not os.path.exists(cfg.data):   # two texts (or two splits of a dataset)
+        val = cfg.val_data or cfg.data
+        return tok.encode_array(load_text(cfg.data)), tok.encode_array(load_text(val, 'validation'))
     ids = tok.encode_array(load_text(cfg.data))
     n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 2)
     if len(ids) - n_val < cfg.seq_len + 2:
@@ -344,8 +337,8 @@ def text_splits(cfg, tok):
 def get_text_batch(ids, offsets, seq_len):
     """Windows of ids starting at offsets -> (x, y) LongTensors (len(offsets), seq_len), y = x
     shifted by one."""
-    w = torch.from_numpy(
-        ids[np.asarray(offsets)[:, None] + np.arange(seq_len + 1)].astype(np.int64))
+    rows = np.asarray(offsets)[:, None] + np.arange(seq_len + 1)   # (B, seq_len + 1) positions
+    w = torch.from_numpy(ids[rows].astype(np.int64))
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 def ppl_windows(n_tokens, context, stride):
@@ -355,10 +348,9 @@ def ppl_windows(n_tokens, context, stride):
     if stride < 1 or context < 1 or stride > context:
         raise UsageError(f'need 1 <= stride <= context (got context={context}, stride={stride})')
     m = n_tokens - 1
-    ends = [min(b + context, m) for b in range(0, m, stride)]   # stride <= context: each ends past
-                                                                # the one before
-    ends = ends[:ends.index(m) + 1] if ends else []              # up to the first window that
-                                                                 # reaches the end
+    # stride <= context: each window ends past the one before; up to the first to reach the end
+    ends = [min(b + context, m) for b in range(0, m, stride)]
+    ends = ends[:ends.index(m) + 1] if ends else []
     return [(b, e, e - prev) for b, e, prev in zip(range(0, m, stride), ends, [0] + ends)]
 
 @torch.no_grad()
@@ -385,8 +377,8 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
             y[r, :x.size(1) - n] = -100
         _, loss = model(x.to(device), targets=y.to(device))
         count = sum(n for _, _, n in group)
-        total_nll = total_nll + float(loss) * count
-        total = total + count
+        total_nll += float(loss) * count
+        total += count
         progress('perplexity', total, total - count, n_all, t0)
     nll = total_nll / total
     return {'nll': nll, 'ppl': math.exp(nll), 'tokens_scored': total, 'windows': len(windows),
@@ -395,26 +387,23 @@ def perplexity(model, ids, context, stride, device='cpu', batch_size=8):
 # ---- passkey retrieval prompts (eval.py's task, convert.py's retrieval probe) ----
 PASSKEY_TEMPLATES = {   # name: (intro, filler, needle, question)
     # the evaluation's: Mohtashami & Jaggi 2023's prompt
-    'eval': (
-        'There is important info hidden inside a lot of irrelevant text. Find it and memorize it.',
-             'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back '
-             'again. ',
+    'eval': ('There is important info hidden inside a lot of irrelevant text. '
+             'Find it and memorize it.',
+             'The grass is green. The sky is blue. The sun is yellow. Here we go. '
+             'There and back again. ',
              'The pass key is {key}. Remember it. {key} is the pass key.',
              'What is the pass key? The pass key is'),
-    # convert.py's retrieval probe ranks heads on prompts of its own, so that no head is picked on
-    # the test's words
+    # convert.py's retrieval probe: its own prompts, so that no head is picked on the test's words
     'probe': ('Below is a long note. One line in it holds a number worth keeping.',
               'Rivers run to the sea. Birds sing at dawn. Bread is baked in ovens. Time moves on. ',
               'The secret number is {key}. Keep it in mind. {key} is the secret number.',
               'What was the secret number? The secret number is'),
-    # convert.py --passkey_mix's stage-2 samples: a wording of their own, so that no recipe is tuned
-    # to the test
+    # convert.py --passkey_mix's stage-2 samples: their own words (no recipe tuned to the test's)
     'train': ('A record follows. Somewhere in it is a code to recall later.',
               'Snow falls in winter. Ships sail at night. Leaves turn brown. The road is long. ',
               'The access code is {key}. Note it down. {key} is the access code.',
               'What is the access code? The access code is'),
-    # eval.py --passkey_template eval2: the test in other words (is what a recipe learned the
-    # wording?)
+    # eval.py --passkey_template eval2: the test in other words (did a recipe learn the wording?)
     'eval2': ('Read the text below. A number is stated in it; you will be asked for that number.',
               'The cat sleeps on the mat. Rain falls on the roof. The clock ticks. We walk home. ',
               'The magic number is {key}. Do not forget it. {key} is the magic number.',
@@ -435,10 +424,9 @@ def passkey_prompts(tok, lengths, depths=(0, 25, 50, 75, 100), samples=6, seed=0
     for length, depth, i in itertools.product(lengths, depths, range(samples)):
         key = rng.randint(10000, 99999)
         needle = needle_text.format(key=key)
-        n = max((length - len(tok.encode('\n'.join([intro, '', needle, '',
-                                                    question])))) // per_filler, 0)
-        before = round(max(n - 1, 0) * depth / 100)   # depth 100 %: one filler sentence still
-                                                      # follows the key
+        frame = len(tok.encode('\n'.join([intro, '', needle, '', question])))   # all but filler
+        n = max((length - frame) // per_filler, 0)      # filler sentences,
+        before = round(max(n - 1, 0) * depth / 100)     # those before the key (100 %: all but one)
         parts = [intro, (filler * before).strip(), needle,
                  (filler * (n - before)).strip(), question]
         text = '\n'.join(p for p in parts if p)
@@ -456,12 +444,13 @@ def token_span(tok, text, a, b):
     may straddle the end."""
     ids = tok.encode(text)
 
-    def shared(prefix):   # (leading tokens of the whole text the prefix also encodes to, the
-                          # prefix's tokens)
+    def shared(prefix):
+        """(how many leading tokens of the whole text the prefix also encodes to, its tokens)"""
         p = tok.encode(prefix)
-        return next((i for i, (x, y) in enumerate(zip(p, ids)) if x != y),
-                    min(len(p), len(ids))), len(p)
-    (i, _), (j, n_b) = shared(text[:a]), shared(text[:b])
+        same = next((i for i, (x, y) in enumerate(zip(p, ids)) if x != y), min(len(p), len(ids)))
+        return same, len(p)
+    i, _ = shared(text[:a])
+    j, n_b = shared(text[:b])
     return i, j + (j < n_b)
 
 # ---- GLUE: files, metrics, the classifier ------------------------------------
@@ -487,9 +476,8 @@ def _glue_example(row, task, where):
         a, b = (next((low[c.lower()] for c in cols if c.lower() in low), None)
                 for cols in (a_cols, b_cols))
         if a is None or (b_cols and b is None):
-            raise UsageError(
-                f"{where}: no column {list(a_cols + b_cols)} for {task}'s texts (columns: "
-                f"{list(row)})")
+            raise UsageError(f"{where}: no column {list(a_cols + b_cols)} for {task}'s texts "
+                             f"(columns: {list(row)})")
         label = next((low[c] for c in GLUE_LABELS if low.get(c) not in (None, '', '-')), None)
     elif not any(c.strip() for c in row):
         return None
@@ -519,9 +507,9 @@ def load_glue(task, path, split='train'):
     if split not in GLUE_FILES or not path:
         raise UsageError(f"unknown split {split!r}; use train or validation" if path
                          else "--data is empty: give a folder of GLUE TSV/CSV/JSONL files")
-    fn = path if os.path.isfile(path) else next(
-        (fn for stem in GLUE_FILES[split] for ext in ('tsv', 'csv', 'jsonl') for fn in glob.glob(
-            os.path.join(path, f"{stem}.{ext}"))), None)
+    found = (fn for stem in GLUE_FILES[split] for ext in ('tsv', 'csv', 'jsonl')
+             for fn in glob.glob(os.path.join(path, f"{stem}.{ext}")))
+    fn = path if os.path.isfile(path) else next(found, None)
     if fn is None:
         raise UsageError(
             f"no {split} file in {path!r}: expected {'|'.join(GLUE_FILES[split])}.tsv|csv|jsonl")
@@ -529,8 +517,8 @@ def load_glue(task, path, split='train'):
         if fn.endswith('.jsonl'):
             rows = [json.loads(line) for line in f if line.strip()]
         else:
-            rows = list(csv.reader(f) if fn.endswith('.csv') else csv.reader(
-                f, delimiter='\t', quoting=csv.QUOTE_NONE))
+            tsv = {} if fn.endswith('.csv') else dict(delimiter='\t', quoting=csv.QUOTE_NONE)
+            rows = list(csv.reader(f, **tsv))
             names = {c.lower() for c in sum(GLUE_TASKS[task][:2], ()) + GLUE_LABELS}
             if rows and {c.strip().lower() for c in rows[0]} & names:   # a header row
                 rows = [dict(zip(rows[0], r)) for r in rows[1:] if r]
@@ -579,8 +567,9 @@ class GlueEncoder:
     are bytes)."""
 
     def __init__(self, tok, seq_len, verbose=True):
-        self.tok = get_tokenizer('' if tok == 'scratch' else tok,
-                                 verbose=False) if isinstance(tok, str) else tok
+        if isinstance(tok, str):
+            tok = get_tokenizer('' if tok == 'scratch' else tok, verbose=False)
+        self.tok = tok
         self.seq_len = seq_len
         self.name = self.tok.name
         if verbose:
@@ -592,15 +581,14 @@ class GlueEncoder:
 def collate_glue(encoded, labels):
     """[(ids, token_types)], labels -> (idx, attention_mask, token_type_ids, labels) tensors,
     0-padded right."""
-    idx, tt, mask = torch.zeros(3, len(encoded),
-                                max(len(ids) for ids, _ in encoded), dtype=torch.long)
+    T = max(len(ids) for ids, _ in encoded)
+    idx, tt, mask = torch.zeros(3, len(encoded), T, dtype=torch.long)
     for i, (ids, types) in enumerate(encoded):
-        idx[i,
-            :len(ids)], tt[i,
-                           :len(types)], mask[i,
-                                              :len(ids)] = torch.tensor(ids), torch.tensor(types), 1
-    return idx, mask, tt, torch.tensor(labels, dtype=torch.float32
-                                       if isinstance(labels[0], float) else torch.long)
+        idx[i, :len(ids)] = torch.tensor(ids)
+        tt[i, :len(types)] = torch.tensor(types)
+        mask[i, :len(ids)] = 1
+    regression = isinstance(labels[0], float)
+    return idx, mask, tt, torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
 
 class Classifier(nn.Module):
     """Sequence classification around a GPT: BERT family -> model.classify (pooled [CLS]); causal
@@ -611,25 +599,26 @@ class Classifier(nn.Module):
         super().__init__()
         self.model = model
         self.num_labels = num_labels
-        self.head = None if isinstance(model, M.Bert) else nn.Linear(
-            model.config.n_embd, num_labels)
-        if self.head is not None:
+        self.head = None   # BERT: model.classify's own
+        if not isinstance(model, M.Bert):
+            self.head = nn.Linear(model.config.n_embd, num_labels)
             nn.init.normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
-            if not model.config.tie_embeddings:   # unused here: frozen (DDP wants a gradient for
-                                                  # each trainable one)
+            # the LM head is unused here: frozen (DDP wants a gradient for each trainable one)
+            if not model.config.tie_embeddings:
                 model.lm_head.requires_grad_(False)
 
     def forward(self, idx, attention_mask, token_type_ids, labels=None):
         if self.head is None:
             return self.model.classify(idx, attention_mask, token_type_ids, labels)
-        # (B, T, C); causal
-        h, _ = self.model.hidden_states(idx)
-        last = attention_mask.long().sum(1).clamp(min=1) - 1
+        h, _ = self.model.hidden_states(idx)                    # (B, T, C); causal
+        last = attention_mask.long().sum(1).clamp(min=1) - 1   # each row's last real token
         logits = self.head(h[torch.arange(idx.size(0), device=idx.device), last])
-        return logits, None if labels is None else F.mse_loss(
-            logits.squeeze(-1).float(), labels.float()) \
-            if self.num_labels == 1 else F.cross_entropy(logits.float(), labels.long())
+        if labels is None:
+            return logits, None
+        if self.num_labels == 1:   # regression
+            return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
+        return logits, F.cross_entropy(logits.float(), labels.long())
 
 @torch.no_grad()
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
@@ -688,8 +677,9 @@ class Runtime:
 def setup(device='auto', dtype='auto', grad_accum=1):
     """This process's Runtime from the flags and torchrun's RANK / LOCAL_RANK / WORLD_SIZE; starts
     the process group."""
-    ddp, rank, world = 'RANK' in os.environ, int(os.environ.get('RANK', 0)), int(
-        os.environ.get('WORLD_SIZE', 1))
+    ddp = 'RANK' in os.environ
+    rank = int(os.environ.get('RANK', 0))
+    world = int(os.environ.get('WORLD_SIZE', 1))
     device = check_device(device)
     cuda = device.startswith('cuda')
     if grad_accum % world:
@@ -698,8 +688,8 @@ def setup(device='auto', dtype='auto', grad_accum=1):
         dist.init_process_group(backend='nccl' if cuda else 'gloo')
     if ddp and cuda:   # one GPU per process
         torch.cuda.set_device(device := f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
-    dtype = dtype if dtype != 'auto' else 'float32' if not cuda else \
-        'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
+    if dtype == 'auto':   # bf16 (or fp16) on CUDA, else fp32
+        dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if cuda else 'float32'
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast('cuda', getattr(torch, dtype)) if cuda and dtype != 'float32' else \
         contextlib.nullcontext()
@@ -708,12 +698,11 @@ def setup(device='auto', dtype='auto', grad_accum=1):
 def _start(params_or_optimizer, cfg, rt, resume):
     """(optimizer, grad scaler, data-stream generator, step): fresh, or continued from a
     checkpoint's state."""
-    opt = params_or_optimizer if isinstance(params_or_optimizer, torch.optim.Optimizer) else \
-        torch.optim.AdamW(list(params_or_optimizer), lr=cfg.lr, betas=BETAS,
-                          weight_decay=cfg.weight_decay)
+    opt = params_or_optimizer
+    if not isinstance(opt, torch.optim.Optimizer):
+        opt = torch.optim.AdamW(list(opt), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
     scaler = torch.amp.GradScaler('cuda', enabled=rt.dtype == 'float16')
-    gen = torch.Generator().manual_seed(cfg.seed)     # the global batch stream, the same on every
-                                                      # process
+    gen = torch.Generator().manual_seed(cfg.seed)     # the one batch stream of every process
     step = int(resume['iter_num']) if resume else 0
     if resume:
         opt.load_state_dict(resume['optimizer'])
@@ -725,8 +714,7 @@ def _start(params_or_optimizer, cfg, rt, resume):
         if resume['cuda_rng'] is not None and rt.device.startswith('cuda'):
             torch.cuda.set_rng_state(resume['cuda_rng'], rt.device)
     else:
-        torch.manual_seed(cfg.seed + rt.rank + 7919 * step)   # per-process seeds (dropout and the
-                                                              # like)
+        torch.manual_seed(cfg.seed + rt.rank + 7919 * step)   # per-process seeds (dropout etc.)
     return opt, scaler, gen, step
 
 def write_json(path, obj):
@@ -755,12 +743,12 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
         tokens += batch[0].numel()
         if j % rt.world != rt.rank:
             continue
-        sync = j >= cfg.grad_accum - rt.world or not hasattr(net, 'no_sync')   # (FSDP reduces every
-                                                                               # micro-step)
+        batch = tuple(t.to(rt.device) for t in batch)
+        # gradients sync on this process's last micro-batch (FSDP, without no_sync: on every one)
+        sync = j >= cfg.grad_accum - rt.world or not hasattr(net, 'no_sync')
         with contextlib.nullcontext() if sync else net.no_sync():
             with rt.autocast:
-                loss = loss_fn(net, tuple(t.to(rt.device)
-                                          for t in batch)) / (cfg.grad_accum // rt.world)
+                loss = loss_fn(net, batch) / (cfg.grad_accum // rt.world)
             scaler.scale(loss).backward()
         total += loss.detach()
     if rt.ddp:
@@ -776,9 +764,9 @@ class NonFiniteLoss(RuntimeError):
             kept = f"the last good checkpoint{where} was kept"
         else:
             kept = "no checkpoint was written"
-        super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. Try a "
-                         f"lower --lr (now {cfg.lr:g}), --dtype float32 (now {rt.dtype}), or a "
-                         "numerically stable feature map (hedgehog with its softmax over the "
+        super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. "
+                         f"Try a lower --lr (now {cfg.lr:g}), --dtype float32 (now {rt.dtype}), "
+                         "or a numerically stable feature map (hedgehog with its softmax over the "
                          "feature dim, lolcats; --attn softmax checks the setup).")
 
 def _progress(step, loss, lr, tokens, clock, cfg):
@@ -805,8 +793,7 @@ def _evaluate(module, evaluate, step, saved, cfg, rt):
 
 def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None, save=None,
         resume=None, log_name='log.jsonl'):
-    """Train `module` for cfg.max_iters optimizer steps: the one loop of train.py and of
-    convert.py's stages.
+    """Train `module` for cfg.max_iters optimizer steps (the one loop of train.py and convert.py).
     - module: on rt.device (rt = setup(cfg), made first); its DDP wrapper is made here (none if
       FSDP shards it).
     - params_or_optimizer: an optimizer (lr set each step), or parameters for
@@ -881,33 +868,32 @@ class Task:
         self.num_labels = 0
         if cfg.task == 'text':
             self.splits = dict(zip(('train', 'val'), text_splits(cfg, tok)))
-            self.vocab_size = tok.vocab_size if tok.vocab_size < 1000 else (tok.vocab_size
-                                                                            + 63) // 64 * 64
+            V = tok.vocab_size
+            self.vocab_size = V if V < 1000 else (V + 63) // 64 * 64   # a large one: to 64s
         elif cfg.task == 'glue':
-            enc, load = GlueEncoder(tok, cfg.seq_len,
-                                    verbose), lambda s: load_glue(cfg.glue_task, cfg.data, s)
-            self.splits = {k: collate_glue(*zip(*[(enc.encode(a, b), label)
-                                                  for a, b, label in load(s)])) for k, s in (
-                                                      ('train', 'train'), ('val', 'validation'))}
+            enc = GlueEncoder(tok, cfg.seq_len, verbose)
+
+            def split(name):   # the examples encoded, in tensors
+                rows = load_glue(cfg.glue_task, cfg.data, name)
+                return collate_glue(*zip(*[(enc.encode(a, b), label) for a, b, label in rows]))
+            self.splits = {'train': split('train'), 'val': split('validation')}
             self.num_labels = glue_num_labels(cfg.glue_task)
             self.vocab_size = tok.vocab_size
-        else:
-            # test: the final queries only
+        else:   # (the test labels its final queries only)
             nq = 8 if cfg.task == 'mqar' else 1
             args = (cfg.seq_len, cfg.ar_vocab)
-            self.splits = {'train': make_associative_recall(
-                cfg.n_train, *args, cfg.seed,
-                nq, label_repeats=True), 'val': make_associative_recall(N_TEST, *args, cfg.seed
-                                                                        + TEST_SEED_OFFSET, nq)}
+            self.splits = {
+                'train': make_associative_recall(cfg.n_train, *args, cfg.seed, nq,
+                                                 label_repeats=True),
+                'val': make_associative_recall(N_TEST, *args, cfg.seed + TEST_SEED_OFFSET, nq)}
             self.vocab_size = cfg.ar_vocab
         self.size = {k: len(d) - cfg.seq_len - 1 if cfg.task == 'text' else len(d[0])
                      for k, d in self.splits.items()}
         if verbose:   # (examples; for text, window offsets)
             print(f"{cfg.task}: {self.size['train']:,} train / {self.size['val']:,} val examples")
         if cfg.batch_size > self.size['train']:
-            raise UsageError(
-                f"--batch_size {cfg.batch_size} is more than the {self.size['train']:,} training "
-                "examples")
+            raise UsageError(f"--batch_size {cfg.batch_size} is more than the "
+                             f"{self.size['train']:,} training examples")
 
     def batch(self, split, sel):
         if self.cfg.task == 'text':
@@ -918,8 +904,8 @@ class Task:
         return b
 
     def next_batch(self, gen):
-        return self.batch('train', torch.randint(0, self.size['train'],
-                                                 (self.cfg.batch_size,), generator=gen))
+        sel = torch.randint(0, self.size['train'], (self.cfg.batch_size,), generator=gen)
+        return self.batch('train', sel)
 
     def eval_batches(self, split, n_batches=EVAL_ITERS):
         """Fixed batches of a split: its first examples (text: its first non-overlapping
@@ -945,9 +931,10 @@ def _predict(module, task, split, sels, rt):
         with rt.autocast:
             logits, loss = module(*batch)
         y = batch[-1]
-        if task.cfg.task != 'glue':
-            logits = logits[y != -100]
-            y = y[y != -100]
+        if task.cfg.task != 'glue':   # AR, text: the labelled positions
+            labelled = y != -100
+            logits = logits[labelled]
+            y = y[labelled]
         stats.append((loss.item(), len(y)))
         preds += (logits.float().squeeze(-1) if task.num_labels == 1
                   else logits.argmax(-1)).tolist()
@@ -975,8 +962,8 @@ def final_metrics(module, model, task, rt):
             r = perplexity(model, task.splits['val'], cfg.seq_len, cfg.seq_len,
                            rt.device, cfg.batch_size)
         return {'val_loss': r['nll'], 'val_ppl': r['ppl'], 'val_tokens': r['tokens_scored']}
-    losses, counts, preds, labels = _predict(module, task, 'val',
-                                             task.eval_batches('val', task.size['val']), rt)
+    sels = task.eval_batches('val', task.size['val'])   # all of it
+    losses, counts, preds, labels = _predict(module, task, 'val', sels, rt)
     loss = float((losses * counts).sum() / counts.sum())
     if cfg.task == 'glue':
         return {'dev_loss': loss,
@@ -993,14 +980,11 @@ def build_model(cfg, vocab_size, num_labels=0, explicit=()):
     attention."""
     family = 'bert' if cfg.task == 'glue' and 'family' not in explicit else cfg.family
     init_std, emb_init_std = INIT_STDS[cfg.init]
-    return M.build(M.GPTConfig(family=family, vocab_size=vocab_size, block_size=cfg.seq_len,
-                               n_layer=cfg.n_layer,
-                             n_head=cfg.n_head, n_embd=cfg.n_embd,
-                             dropout=cfg.dropout, init_std=init_std,
-                             emb_init_std=emb_init_std,
-                             num_labels=num_labels if family == 'bert' else 0,
-                             tie_embeddings=False,
-                             short_conv=0 if family == 'bert' else cfg.short_conv, attn=cfg.attn))
+    return M.build(M.GPTConfig(
+        family=family, vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, init_std=init_std,
+        emb_init_std=emb_init_std, num_labels=num_labels if family == 'bert' else 0,
+        tie_embeddings=False, short_conv=0 if family == 'bert' else cfg.short_conv, attn=cfg.attn))
 
 def _model_and_task(cfg, explicit, verbose):
     """(model, task, resume state): resumed from out_dir/ckpt.pt, or loaded from --init_from (its
@@ -1037,10 +1021,10 @@ def train(cfg, explicit=frozenset()):
             head.load_state_dict(state['cls_head'])
         c = model.config
         if rt.master:
-            print(
-                f"model: {c.family}, {c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, "
-                f"attention {c.attn} {model.get_num_params() / 1e6:.3f}M parameters; device "
-                f"{rt.device}, dtype {rt.dtype}" + (f", DDP x{rt.world}" if rt.ddp else ''))
+            ddp = f", DDP x{rt.world}" if rt.ddp else ''
+            print(f"model: {c.family}, {c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, "
+                  f"attention {c.attn} {model.get_num_params() / 1e6:.3f}M parameters; "
+                  f"device {rt.device}, dtype {rt.dtype}{ddp}")
         opt = model.configure_optimizers(cfg.weight_decay, cfg.lr, BETAS, rt.device.split(':')[0])
         if head is not None:
             opt.add_param_group({'params': [head.weight], 'weight_decay': cfg.weight_decay})
@@ -1083,29 +1067,30 @@ def compare(cfg, explicit=frozenset()):
     for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
         print(f"=== {spec} ===", flush=True)
         out_dir = os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', ''))
-        rows.append((spec, train(replace(cfg, attn=spec, compare='', out_dir=out_dir),
-                                 set(explicit) | {'attn'})))
+        one = replace(cfg, attn=spec, compare='', out_dir=out_dir)
+        rows.append((spec, train(one, set(explicit) | {'attn'})))
     metric = {'ar': 'test_acc', 'mqar': 'test_acc', 'text': 'val_ppl', 'glue': 'dev_main'}[cfg.task]
-    lines = [
-        f"| map | {metric} | mean attention entropy (all rows) | at query rows | final train loss "
-        "| " "train time | CPU time |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| map | {metric} | mean attention entropy (all rows) | at query rows "
+             "| final train loss | train time | CPU time |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for spec, s in rows:
         m = s['metrics']
-        ent = ' | '.join('' if m.get(k) is None else f"{m[k]:.3f}" for k in ('attn_entropy',
-                                                                             'attn_entropy_query'))
+        ent = ' | '.join('' if m.get(k) is None else f"{m[k]:.3f}"
+                         for k in ('attn_entropy', 'attn_entropy_query'))
         lines.append(f"| {spec} | {m[metric]:.4f} | {ent} | {m['last_eval_train']:.4f} | "
                      f"{_fmt_time(s['train_time_s'])} | {_fmt_time(s['cpu_time_s'])} |")
-    print('\n'.join(lines) + f"\ntotal {_fmt_time(time.time() - t0)}")
+    table = '\n'.join(lines)
+    print(table + f"\ntotal {_fmt_time(time.time() - t0)}")
     with open(os.path.join(cfg.out_dir, 'compare.md'), 'w') as f:
-        f.write('\n'.join(lines) + '\n')
+        f.write(table + '\n')
     return rows
 
 def main(argv=None):
     cfg, explicit = parse_config(TrainConfig, argv, __doc__)
     try:
         return compare(cfg, explicit) if cfg.compare else train(cfg, explicit)
-    # one line; bugs: a traceback
     except (NonFiniteLoss, UsageError, tokenizer_lib.TokenizerError, OSError) as e:
+        # the user's error in one line (a bug keeps its traceback)
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(NONFINITE_EXIT if isinstance(e, NonFiniteLoss) else 2) from None
 
