@@ -96,6 +96,8 @@ class ConvertConfig:
                                     # v,o: q and k stay the teacher's (QK-Restore)
     passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches:
                                                 # retrieval samples (passkey_batch)
+    passkey_block: int = num(0, ge=0)   # their length: block / 4 to block tokens
+                                        # (0: --block_size)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
@@ -341,7 +343,7 @@ def load_task(cfg, model):
     %), or the GLUE task's train and dev sets."""
     tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (its ids fit the model)
     if cfg.passkey_mix:   # a stage-2 retrieval sample drawn before any work: its error now
-        passkey_batch(tok, torch.Generator(), cfg.block_size, 1)
+        passkey_batch(tok, torch.Generator(), cfg.passkey_block or cfg.block_size, 1)
     data = train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
                             val_data=cfg.val_data, glue_task=cfg.glue_task,
                             batch_size=cfg.batch_size, seq_len=cfg.block_size, seed=cfg.seed)
@@ -539,8 +541,9 @@ def passkey_batch(tok, gen, block_size, batch_size):
             useful = 8 + len(tok.encode(p['input'].replace('\n', '\n\n'))) + \
                 2 * len(tok.encode(train.PASSKEY_TEMPLATES['train'][1]))
             raise UsageError(f"--passkey_mix: a retrieval sample takes at least {len(ids) - 1} "
-                             f"tokens, over --block_size {block_size}; from --block_size {useful} "
-                             "its key has filler before and after it (a depth)")
+                             f"tokens, over its block of {block_size} (--passkey_block, else "
+                             f"--block_size); from {useful} its key has filler before and after it "
+                             "(a depth)")
         xs.append(ids[:-1])   # row i predicts ids[i + 1]: y labels only the answer's rows
         ys.append([-100] * (n_prompt - 1) + ids[n_prompt:])
     T = max(len(x) for x in xs)
@@ -564,7 +567,8 @@ def finetune(model, module, task, cfg, rt):
 
     def batch(g):   # a retrieval sample at --passkey_mix's rate, else the task's
         if cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix:
-            return passkey_batch(model.tokenizer, g, cfg.block_size, cfg.batch_size)
+            block = cfg.passkey_block or cfg.block_size
+            return passkey_batch(model.tokenizer, g, block, cfg.batch_size)
         return task.next_batch(g)
     out = train.fit(module, params, train.task_loss, batch, _schedule(cfg, cfg.stage2_iters, lr),
                     rt, log_name='stage2.jsonl')
@@ -601,6 +605,7 @@ def check_fits(cfg, c, layers):
     side = min(c.n_embd, c.n_kv_head * c.head_dim)
     bounds = [
         ('block_size', c.block_size, f"the teacher's {c.block_size} positions"),
+        ('passkey_block', c.block_size, f"the teacher's {c.block_size} positions"),
         ('exact_heads', kv - 1, f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
         ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")]
     for name, most, what in bounds:

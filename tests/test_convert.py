@@ -546,7 +546,8 @@ def test_passkey_batch_scores_the_answer_alone(tmp_path):
 
 def test_passkey_mix_draws_retrieval_batches_at_its_rate(tmp_path, text_file, monkeypatch):
     """Issue 56: with --passkey_mix 0.25 a quarter of stage 2's batches are retrieval samples (the rest the text's),
-    within --block_size, and a run with it trains and reloads."""
+    within --block_size (issue 60: --passkey_block's, block / 4 to block tokens), and a run with it trains and
+    reloads."""
     torch.manual_seed(0)
     m = M.GPT(M.GPTConfig(family='llama', vocab_size=VOCAB, block_size=512, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
     m.tokenizer = tokenizer.load_tokenizer('bytes')
@@ -559,9 +560,12 @@ def test_passkey_mix_draws_retrieval_batches_at_its_rate(tmp_path, text_file, mo
         return fit(module, params, loss_fn, next_batch, *a, **k)
     monkeypatch.setattr(train, 'fit', spy)
     _run(_args(str(tmp_path / 'tiny.pt'), text_file, tmp_path / 'pk', '--block_size', '256', '--attn', 'softmax',
-               '--stage1_iters', '0', '--stage2_iters', '2', '--passkey_mix', '0.25'))
+               '--stage1_iters', '0', '--stage2_iters', '2', '--passkey_mix', '0.25',
+               '--passkey_block', '480'))   # (issue 60: retrieval samples longer than the text's)
     share = sum(bool((y == -100).any()) for _, y in drawn) / len(drawn)
-    assert 0.18 < share < 0.32 and all(x.shape[1] <= 256 for x, _ in drawn)
+    sizes = [x.shape[1] for x, y in drawn if (y == -100).any()]
+    assert 0.18 < share < 0.32 and all(x.shape[1] <= 256 for x, y in drawn if not (y == -100).any())
+    assert max(sizes) <= 480 and min(sizes) >= 120 and sum(s > 256 for s in sizes) > len(sizes) / 3
     assert M.load(str(tmp_path / 'pk'))[0] is not None
 
 
@@ -575,12 +579,17 @@ def test_passkey_mix_refused_before_any_work_where_no_sample_fits(tmp_path, text
     m.tokenizer = tokenizer.load_tokenizer('bytes')
     M.save(tmp_path / 'tiny.pt', m)
     monkeypatch.setattr(C, 'evaluate', lambda *a, **k: pytest.fail('work before the refusal'))
-    want = (r"^--passkey_mix: a retrieval sample takes at least 175 tokens, over --block_size 128; "
-            r"from --block_size \d+ its key has filler before and after it \(a depth\)$")
-    with pytest.raises(A.UsageError, match=want) as e:
+    want = (r"^--passkey_mix: a retrieval sample takes at least 175 tokens, over its block of 128 "
+            r"\(--passkey_block, else --block_size\); from \d+ its key has filler before and after "
+            r"it \(a depth\)$")
+    for block in (['--block_size', '128'], ['--block_size', '256', '--passkey_block', '128']):
+        with pytest.raises(A.UsageError, match=want) as e:
+            _run(_args(str(tmp_path / 'tiny.pt'), text_file, tmp_path / 'pk', *block,
+                       '--passkey_mix', '0.25'))
+    with pytest.raises(A.UsageError, match=r"^--passkey_block 1024 is more than the teacher's 512"):
         _run(_args(str(tmp_path / 'tiny.pt'), text_file, tmp_path / 'pk', '--block_size', '128',
-                   '--passkey_mix', '0.25'))
-    useful, tok = int(re.search(r'from --block_size (\d+)', str(e.value)).group(1)), m.tokenizer
+                   '--passkey_mix', '0.25', '--passkey_block', '1024'))
+    useful, tok = int(re.search(r'from (\d+)', str(e.value)).group(1)), m.tokenizer
     for block, before in ((useful, True), (useful - 1, False)):   # the longest prompts: block - 8
         text = train.passkey_prompts(tok, [block - 8], depths=(100,), template='train')[0]['input']
         at = text.index('The access code is')
