@@ -3,7 +3,8 @@
   2. feature maps phi (FEATURE_MAPS): Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of
      Freedom (DoF), baselines
   3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
-  4. linear attention, four impls (quadratic, chunked, recurrent, triton) equal to float32 precision
+  4. linear attention, four impls (quadratic, chunked, recurrent, triton) equal to float32 precision;
+     4b. the delta rule (DeltaNet, Gated DeltaNet), recurrent and chunked
   5. metrics (entropy, spectral gap, monotonicity, KL) and DoF's kernel loss
 The hybrids, the decode states and the layer core model.py calls (`Attention`) are in hybrids.py.
 
@@ -470,6 +471,11 @@ class AttnSpec:
                               # learned lambda per head starting at a half-life of this many tokens
     nope: int = 0             # 1: the linear part's maps see q, k with RoPE undone (issue 41), so
                               # their weights do not depend on the position (LoLCATs: rotated q, k)
+    delta: int = 0            # 1: the linear part overwrites, the delta rule (section 4b): S_t =
+                              # S_t-1 + beta_t phi(k_t) (v_t - S_t-1^T phi(k_t))^T; beside a
+                              # window, combine=mix (it has no normaliser z to share)
+    gate: int = 0             # 1: the delta rule's S decays by a learned alpha_t first (Gated
+                              # DeltaNet)
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -514,6 +520,14 @@ class AttnSpec:
             yield "decay (>= 0) is the linear state's: a feature map's"
         if self.nope not in (0, 1) or (self.nope and self.name == 'softmax'):
             yield "nope (0 or 1) is the linear part's: a feature map's"
+        if self.delta not in (0, 1) or self.gate not in (0, 1) or self.gate > self.delta:
+            yield "delta and gate are 0 or 1, gate with delta"
+        if self.delta and (self.name == 'softmax' or self.diag_block or self.cache or self.decay
+                           or self.impl in ('quadratic', 'triton')):
+            yield ("delta is a feature map's linear part, alone or beside a window, impl chunked "
+                   "or recurrent: no diag_block, cache or decay (gate=1 is its decay)")
+        if self.delta and self.window and self.combine != 'mix':
+            yield "the delta rule has no normaliser z to share with the window: set combine=mix"
         if self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact):
             yield "exact takes KV head indices joined by +, e.g. exact=0+2"
         unknown = [key for key, _ in self.options if key not in known]
@@ -691,6 +705,98 @@ def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
     eye = torch.eye(phi_q.shape[2], device=phi_q.device, dtype=acc(phi_q).dtype)
     eye = eye.expand(*phi_q.shape[:2], -1, -1)                               # (B, H, T, T)
     return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', c_k=c_k)
+
+# ---- 4b. the delta rule: a state that overwrites ---------------------------------
+# The sum S_t = S_t-1 + phi(k_t) v_t^T only adds: a key written once is blurred by every later one.
+# The delta rule (Schlag et al. 2021, Eq. 23-24; DeltaNet, Yang et al. 2024, Eq. 2) first reads what
+# S holds at k_t and moves it beta_t of the way to v_t; Gated DeltaNet (Yang et al. 2025, Eq. 10)
+# decays S by alpha_t first. In this file's layout (S is F x D, y_t = S_t^T phi(q_t)):
+#     S_t = alpha_t S_t-1 + beta_t phi(k_t) (v_t - alpha_t S_t-1^T phi(k_t))^T
+# With |phi(k)| = 1 and 0 < beta <= 1 the write I - beta phi(k) phi(k)^T has eigenvalues 1 - beta
+# and 1: S never grows (a contraction), so the caller L2-normalises phi(k), and phi(q) too (y is
+# then a recalled value, not a sum). No normaliser z, no key shifts c (a normalised key has none).
+# q, k: (B, H, T, F) unit-norm features; v (B, H, T, D); beta, log_alpha (B, H, T); S (B, H, F, D).
+
+class DeltaGates(nn.Module):
+    """The delta rule's gates of keys k (B, H, T, D) -> (B, H, T, 2), per head:
+        beta_t = sigmoid(w_b.k_t + b_b)                                        (DeltaNet)
+        log alpha_t = -exp(A_log) softplus(w_a.k_t + b_a) with gate, else 0    (Gated DeltaNet)
+    init beta 1/2, alpha = exp(-dt), dt from 0.001 to 0.1 over the heads (Mamba 2's range), A_log
+    0. Ours: from the key (as the maps see it); the papers project the layer's input, which an
+    attention core does not see."""
+
+    def __init__(self, head_dim, n_heads, gate):
+        super().__init__()
+        dt = torch.logspace(-3, -1, n_heads)
+        self.weight = nn.Parameter(torch.zeros(n_heads, 2, head_dim))             # (H, 2, D)
+        self.bias = nn.Parameter(torch.stack([torch.zeros(n_heads), dt.expm1().log()], 1))
+        self.A_log = nn.Parameter(torch.zeros(n_heads))
+        self.gate = gate
+
+    def forward(self, k):
+        u = _per_head_linear(k, self.weight, self.bias)                          # (B, H, T, 2)
+        log_alpha = -self.A_log.to(k.dtype).exp()[:, None] * nnf.softplus(u[..., 1]) * self.gate
+        return torch.stack([torch.sigmoid(u[..., 0]), log_alpha], -1)
+
+def delta_step(S, k, v, beta, alpha):
+    """One token, every head, line for line the equation: k (B, H, F), v (B, H, D), beta, alpha
+    (B, H) -> the new S."""
+    S = S * alpha[..., None, None]                                   # alpha_t S_t-1
+    recalled = torch.einsum('bhf,bhfd->bhd', k, S)                   # S^T phi(k_t)
+    return S + torch.einsum('bhf,bhd->bhfd', beta[..., None] * k, v - recalled)
+
+def _delta_recurrent(q, k, v, beta, log_alpha, S):
+    """The reference: one delta_step a token, then y_t = S_t^T q_t."""
+    ys = []
+    for t in range(q.shape[2]):
+        S = delta_step(S, k[:, :, t], v[:, :, t], beta[..., t], log_alpha[..., t].exp())
+        ys.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], S))
+    return torch.stack(ys, 2) if ys else v, S
+
+def _delta_chunked(q, k, v, beta, log_alpha, S, C):
+    """The same in chunks of C tokens (the WY / UT form: DeltaNet Sec. 3.2, Gated DeltaNet Sec.
+    3.3). In a chunk, with gamma_i = alpha_1 .. alpha_i and S0 the state before it,
+        S_i = gamma_i S0 + sum_{j<=i} (gamma_i / gamma_j) k_j u_j^T
+    where u_j, what token j writes, depends on the u_l before it: (I + L) U = diag(beta) (V -
+    diag(gamma) K S0), L_jl = beta_j (gamma_j / gamma_l) k_j.k_l for l < j, lower triangular. One
+    solve for every chunk at once gives [W | U~] = (I + L)^-1 diag(beta) [diag(gamma) K | V], so that
+    U = U~ - W S0; then, chunk after chunk (only S0 passes on):
+        y_i = gamma_i S0^T q_i + sum_{j<=i} (gamma_i / gamma_j) (q_i.k_j) u_j
+        S_C = gamma_C S0 + sum_j (gamma_C / gamma_j) k_j u_j^T
+    Padding writes nothing (beta 0, alpha 1)."""
+    B, H, T, F = k.shape
+    n = math.ceil(T / C)
+
+    def chunks(x):   # (B, H, T, ...) -> (B, H, n, C, ...), zero-padded
+        return nnf.pad(x, (0, 0) * (x.dim() - 3) + (0, -T % C)).unflatten(2, (n, C))
+    qc, kc, vc, bc = (chunks(x) for x in (q, k, v, beta))
+    g = chunks(log_alpha).cumsum(-1)                                 # (B, H, n, C): log gamma_i
+    later = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    ratio = (g[..., :, None] - g[..., None, :]).masked_fill(later, -math.inf).exp()  # gamma_i/gamma_j
+    L = (kc @ kc.mT) * ratio * bc[..., None]          # (its diagonal unread: unitriangular)
+    rhs = bc[..., None] * torch.cat([g.exp()[..., None] * kc, vc], -1)
+    W, U = torch.linalg.solve_triangular(L, rhs, upper=False,
+                                         unitriangular=True).split([F, v.shape[-1]], -1)
+    scores = (qc @ kc.mT) * ratio                                    # (B, H, n, C, C)
+    k_end = kc * (g[..., -1:] - g).exp()[..., None]                  # (gamma_C / gamma_j) k_j
+    ys = []
+    for j in range(n):
+        u = U[:, :, j] - W[:, :, j] @ S                              # (B, H, C, D)
+        ys.append(g[:, :, j, :, None].exp() * (qc[:, :, j] @ S) + scores[:, :, j] @ u)
+        S = g[:, :, j, -1, None, None].exp() * S + k_end[:, :, j].mT @ u
+    return torch.cat(ys, 2)[:, :, :T] if ys else v, S
+
+def delta_rule(phi_q, phi_k, v, gates, impl='chunked', chunk_size=64, S=None):
+    """The delta rule over T tokens after state S (None: zeros): phi_q, phi_k unit-norm (B, H, T,
+    F), v (B, H, T, D), gates (B, H, T, 2) each key's beta and log alpha -> y (B, H, T, D), the final
+    S, float32 (float64 stays). impl: 'recurrent' or 'chunked' (chunks of chunk_size)."""
+    q = acc(phi_q)
+    v = acc(v)
+    beta, log_alpha = acc(gates).unbind(-1)
+    S = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]) if S is None else S
+    if impl == 'recurrent':
+        return _delta_recurrent(q, acc(phi_k), v, beta, log_alpha, S)
+    return _delta_chunked(q, acc(phi_k), v, beta, log_alpha, S, chunk_size)
 
 # ---- 5. metrics and DoF's kernel loss ---------------------------------------
 def attention_entropy(w, eps=1e-12):

@@ -144,6 +144,12 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
         return divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
     is_sink = torch.arange(T, device=q.device) < n_sinks     # sinks are not in the linear part
     phi_k = acc(phi_k) * ~is_sink[:, None]
+    if spec.delta:   # the delta rule (causal) over the keys that left the window; c_k: their gates
+        shifted = (_shift(x, spec.window) for x in (phi_k, v, c_k))   # gates 0: beta 0, alpha 1
+        y_l = A.delta_rule(phi_q, *shifted, spec.impl, chunk_size)[0]
+        den_l = torch.ones_like(y_l[..., 0])                           # (its read needs no z)
+        y, share = combine_window_linear(num_w, den_w, y_l, den_l, None, factor, spec.combine)
+        return y.to(v.dtype), share
     c_k = c_k.masked_fill(is_sink, NO_KEY)
     linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
     if not causal:   # plus the keys j >= i + window: the same, backwards in time
@@ -217,6 +223,32 @@ class LinearState:
         """num (B, H, L, D) = phi_q S and den (B, H, L) = phi_q . z of queries phi_q (B, H, L, F),
         in its units."""
         return phi_q @ self.S, torch.einsum('bhlf,bhf->bhl', phi_q, self.z)
+
+@dataclass(frozen=True)
+class DeltaState:
+    """The delta rule's state (attention.delta_step): S = what each unit key recalls, no normaliser,
+    no shifts; fold and add take the keys' gates (B, H, L, 2), beta and log alpha, where
+    LinearState's take their shifts, and read gives den 1 (y = S^T phi(q))."""
+    S: torch.Tensor   # (B, H, F, D)
+    n: int            # tokens folded in
+    pos: torch.Tensor | None = None   # (1,) long on the device, Linear's: tokens seen
+
+    @staticmethod
+    def empty(B, H, F, D, like):
+        return DeltaState(like.new_zeros(B, H, F, D), 0)
+
+    def fold(self, phi, gates, v, n):
+        """The state with keys phi (B, H, L, F) written in order (delta_rule's chunked form)."""
+        return DeltaState(A.delta_rule(phi, phi, v, gates, S=self.S)[1], self.n + n)
+
+    def add(self, phi, v, gates):
+        """The state with one key per row written: phi (B, H, 1, F), v (B, H, 1, D)."""
+        beta, log_alpha = gates[:, :, 0].unbind(-1)
+        S = A.delta_step(self.S, phi[:, :, 0], v[:, :, 0], beta, log_alpha.exp())
+        return DeltaState(S, self.n + 1, None if self.pos is None else self.pos + 1)
+
+    def read(self, phi_q):
+        return phi_q @ self.S, torch.ones_like(phi_q[..., 0])
 
 @dataclass(frozen=True)
 class Slots:
@@ -315,6 +347,7 @@ def exact_heads(spec, n_kv, causal, has_rope):
                      (spec.cache and not causal,
                       "the sparse cache follows the tokens (causal models only)"),
                      (spec.decay and not causal, "a decay weighs the past (causal models only)"),
+                     (spec.delta and not causal, "the delta rule writes in order (causal only)"),
                      (spec.nope and not has_rope, "nope undoes RoPE, and this model has none")):
         if bad:
             raise UsageError(f"attention spec '{spec}': {why}")
@@ -383,8 +416,11 @@ class Attention(nn.Module):
         if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
             self.decay_rate = nn.Parameter(torch.full((len(self.rest_q),),
                                                       math.log(math.log(2) / spec.decay)))
-        # keys' shifts not 0
-        self.shifted = self.fmap is not None and (self.fmap.log_domain or bool(spec.decay))
+        if spec.delta and self.fmap is not None:   # beta and alpha from each key
+            self.gates = A.DeltaGates(head_dim, len(self.rest_q), spec.gate)
+        # keys' shifts (the delta rule: gates) not 0
+        self.shifted = self.fmap is not None and (self.fmap.log_domain or bool(spec.decay or
+                                                                               spec.delta))
         self.fusable = fusable(self)
 
     window = property(lambda self: self.spec.window)
@@ -471,6 +507,8 @@ class Attention(nn.Module):
         if self.spec.decay:
             g, t = self.decay()[:, None], _positions(q, start)   # (H, 1), (T,)
             c_q, c_k = c_q - g * t, c_k + g * (t - back)
+        if self.spec.delta:   # unit-norm features (section 4b), and the keys' gates for c_k
+            return nnf.normalize(phi_q, dim=-1), nnf.normalize(phi_k, dim=-1), c_q, self.gates(k_in)
         return phi_q, phi_k, c_q, c_k
 
     def decay(self):
@@ -605,12 +643,14 @@ class Linear(Attention):
         """Tokens after state st (None: from the start), all at once."""
         (n, pos), T = (0, None) if st is None else (st.n, st.pos), q.shape[2]
         phi_q, phi_k, _, c_k = self._features(q, k, n, key_padding_mask, pos)
+        pos = _position(q, n + T) if pos is None else pos + T
+        if self.spec.delta:   # c_k: the keys' gates
+            y, S = A.delta_rule(phi_q, phi_k, v, c_k, self.spec.impl, self.chunk_size, st and st.S)
+            return y, DeltaState(S, n + T, pos)
         init = None if st is None else (st.S, st.z, st.m)
         y, (S, z, m) = linear_attention(phi_q, phi_k, v, self.causal, self.spec.impl, 0.0,
                                         self.chunk_size, init, True, c_k)
-        if not self.causal:
-            return y, None
-        return y, LinearState(S, z, m, n + T, _position(q, n + T) if pos is None else pos + T)
+        return y, LinearState(S, z, m, n + T, pos) if self.causal else None
 
     def step(self, q, k, v, st):
         phi_q, phi_k, _, c_k = self._features(q, k, st.n, pos=st.pos)
@@ -626,6 +666,7 @@ def fusable(core):
     D = core.head_dim
     L = core.spec.sinks + core.window
     why = "LoLA's cache (cache=) has none" if spec.cache else \
+        'the delta rule has none' if spec.delta else \
         'a window without a map (softmax) has none' if fm is None or not core.fuses else \
         'it takes a hedgehog or lolcats map with softmax or exp features' if not (
             isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') and
@@ -725,7 +766,8 @@ class Window(Attention):
         slots = Slots.empty(k1, v1, N + W).write(slot, kept, k1[:, :, kept], v1[:, :, kept])
         linear = None
         if phi_k is not None:   # tokens sinks .. T - W are outside the next query's window: folded
-            empty = LinearState.empty(B, H, phi_k.shape[-1], D, k)
+            empty = (DeltaState if self.spec.delta else LinearState).empty(B, H, phi_k.shape[-1],
+                                                                           D, k)
             left = slice(N, max(first, N))
             linear = empty.fold(phi_k[:, :, left], c_k[:, :, left], v[:, :, left], T)
         return WindowState(slots, linear, _position(k, T), T, N)
@@ -783,9 +825,11 @@ class Window(Attention):
         num, den = st.linear.read(phi_q)                                   # (B, H, 1, D), (B, H, 1)
         # (H, 1), (B, H, 1)
         f = self.factor()[:, None]
-        c = c_q + st.linear.m[..., None]
-        p = torch.sigmoid(torch.log(f / (a.amax(-1) * den)) - c.to(den.dtype)) \
-            if self.spec.combine == 'joint' else f.where(den > 0, 1.0)    # (den 0: log inf, p 1)
+        if self.spec.combine == 'joint':   # (den 0: log inf, p 1)
+            c = c_q + st.linear.m[..., None]
+            p = torch.sigmoid(torch.log(f / (a.amax(-1) * den)) - c.to(den.dtype))
+        else:
+            p = f.where(den > 0, 1.0)
         y = torch.lerp((num / den[..., None]).nan_to_num(), y_w, p[..., None])
         if st.n - back < N:   # the leaving token may come before the sinks' end: its slot empty
             phi_k = phi_k * real

@@ -849,7 +849,8 @@ def test_softmax_kv_cache_grows_by_doubling():
 
 BRANCH_SPECS = ['softmax', 'elu', 'hedgehog:decay=4', 'hedgehog:window=4', 'hedgehog:window=4:sinks=2',
                 'softmax:window=4', 'softmax:window=4:sinks=1', 'lln:diag_block=5', 'elu:window=4:exact=1',
-                'hedgehog:window=4:cache=2:cache_block=3', 'lolcats:window=3:sinks=1:decay=8:exact=0+2']
+                'hedgehog:window=4:cache=2:cache_block=3', 'lolcats:window=3:sinks=1:decay=8:exact=0+2',
+                'hedgehog:delta=1:gate=1', 'lolcats:window=3:sinks=1:combine=mix:delta=1:gate=1:exact=0']
 
 
 @pytest.mark.parametrize('spec', BRANCH_SPECS)

@@ -656,7 +656,7 @@ def test_attn_override_on_a_partial_conversion_keeps_its_softmax_layers(tmp_path
 STEP_SPECS = ['softmax', 'hedgehog', 'performer', 'lolcats:window=4', 'lolcats:window=4:sinks=2',
               'lolcats:window=4:exact=0', 'exp:window=3:combine=mix', 'lln:diag_block=3', 'softmax:window=4:sinks=1',
               'hedgehog:decay=4', 'lolcats:window=4:decay=4', 'lln:diag_block=3:decay=4',
-              'lolcats:window=4:nope=1']
+              'lolcats:window=4:nope=1', 'hedgehog:delta=1:gate=1', 'lolcats:window=4:combine=mix:nope=1:delta=1']
 
 
 @pytest.mark.parametrize('spec', STEP_SPECS)
