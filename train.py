@@ -811,7 +811,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
       exactly (you load the weights).
     - log_name: out_dir's per-step {'iter', 'loss', 'lr'} rows.
     A non-finite loss, gradient norm or evaluation raises NonFiniteLoss.
-    -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval'}"""
+    -> {'iters', 'train_time_s', 'cpu_time_s', 'last_eval', 'evals' (each {'iter', name: value})}"""
     opt, scaler, gen, step = _start(params_or_optimizer, cfg, rt, resume)
     params = [p for g in opt.param_groups for p in g['params']]
     net = module
@@ -822,6 +822,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
     cpu0 = time.process_time()
     clock = (t0, step)            # (time, step) of the last progress line
     est = {}                      # the last evaluation
+    evals = []                    # every evaluation, with its step
     saved = resume is not None    # a checkpoint stands (NonFiniteLoss says which)
     log = _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else None
     with log or contextlib.nullcontext():
@@ -847,6 +848,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
             if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_iters:
                 log.flush()
                 est = _evaluate(module, evaluate, step, saved, cfg, rt)
+                evals.append({'iter': step, **est})
                 if save:   # the state that `resume` continues from exactly (_start)
                     cuda = rt.device.startswith('cuda')
                     cuda_rng = torch.cuda.get_rng_state(rt.device) if cuda else None
@@ -854,7 +856,7 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
                                       iter_num=step, cuda_rng=cuda_rng, data_rng=gen.get_state(),
                                       torch_rng=torch.get_rng_state()))
     return {'iters': step, 'train_time_s': round(time.time() - t0, 2),
-            'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est}
+            'cpu_time_s': round(time.process_time() - cpu0, 2), 'last_eval': est, 'evals': evals}
 
 # ---- the driver: a task's data and model, fit, the final metrics -------------
 class Task:
@@ -1083,7 +1085,24 @@ def compare(cfg, explicit=frozenset()):
     print(table + f"\ntotal {_fmt_time(time.time() - t0)}")
     with open(os.path.join(cfg.out_dir, 'compare.md'), 'w') as f:
         f.write(table + '\n')
+    curves(rows, 'val_acc' if cfg.task in ('ar', 'mqar') else 'val', cfg.out_dir)
     return rows
+
+def curves(rows, key, out_dir):
+    """out_dir/compare.png: each run's evaluated `key` against its steps (every --eval_interval),
+    where matplotlib is installed."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("matplotlib not installed: no compare.png")
+    plt.switch_backend('Agg')
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for spec, s in rows:
+        ax.plot([e['iter'] for e in s['evals']], [e[key] for e in s['evals']], 'o-', label=spec)
+    ax.set(xlabel='step', ylabel=key)
+    ax.legend()
+    fig.savefig(os.path.join(out_dir, 'compare.png'), dpi=80)
+    print(f"wrote {os.path.join(out_dir, 'compare.png')}")
 
 def main(argv=None):
     cfg, explicit = parse_config(TrainConfig, argv, __doc__)

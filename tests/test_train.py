@@ -562,9 +562,13 @@ def test_diverging_lr_stops_with_exit_status(tmp_path):
 
 
 def test_compare_two_maps(tmp_path, capsys):
-    rows = T.main(TINY + ['--out_dir', str(tmp_path), '--compare', 'softmax,exp:t=2', '--max_iters', '3',
-                          '--eval_interval', '3', '--no_save'])
+    rows = T.main(TINY + ['--out_dir', str(tmp_path), '--compare', 'softmax,exp:t=2', '--max_iters', '4',
+                          '--eval_interval', '2', '--no_save'])
     assert [spec for spec, _ in rows] == ['softmax', 'exp:t=2']
+    # issue 63: every evaluation kept with its step (compare.png draws them)
+    assert [e['iter'] for e in rows[1][1]['evals']] == [2, 4]
+    assert rows[1][1]['evals'][-1]['val_acc'] == rows[1][1]['metrics']['last_eval_val_acc']
+    assert (tmp_path / 'compare.png').stat().st_size > 1000
     table = (tmp_path / 'compare.md').read_text()
     assert '| softmax |' in table and '| exp:t=2 |' in table
     assert json.loads((tmp_path / 'exp_t2' / 'summary.json').read_text())['model_config']['attn'] == \
