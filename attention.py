@@ -3,8 +3,8 @@
   2. feature maps phi (FEATURE_MAPS): Hedgehog, LoLCATs, Linear Log-Normal (LLN), Degrees of
      Freedom (DoF), baselines
   3. AttnSpec: the attention of a layer as one value, e.g. 'hedgehog:feature_dim=64:window=64'
-  4. linear attention, four impls (quadratic, chunked, recurrent, triton) equal to float32 precision;
-     4b. the delta rule (DeltaNet, Gated DeltaNet), recurrent and chunked
+  4. linear attention, four impls (quadratic, chunked, recurrent, triton) equal to float32
+     precision; 4b. the delta rule (DeltaNet, Gated DeltaNet), recurrent and chunked
   5. metrics (entropy, spectral gap, monotonicity, KL) and DoF's kernel loss
 The hybrids, the decode states and the layer core model.py calls (`Attention`) are in hybrids.py.
 
@@ -520,14 +520,14 @@ class AttnSpec:
             yield "decay (>= 0) is the linear state's: a feature map's"
         if self.nope not in (0, 1) or (self.nope and self.name == 'softmax'):
             yield "nope (0 or 1) is the linear part's: a feature map's"
-        if self.delta not in (0, 1) or self.gate not in (0, 1) or self.gate > self.delta:
+        if {self.delta, self.gate} - {0, 1} or self.gate > self.delta:
             yield "delta and gate are 0 or 1, gate with delta"
         if self.delta and (self.name == 'softmax' or self.diag_block or self.cache or self.decay
-                           or self.impl in ('quadratic', 'triton')):
-            yield ("delta is a feature map's linear part, alone or beside a window, impl chunked "
-                   "or recurrent: no diag_block, cache or decay (gate=1 is its decay)")
-        if self.delta and self.window and self.combine != 'mix':
-            yield "the delta rule has no normaliser z to share with the window: set combine=mix"
+                           or self.impl in ('quadratic', 'triton')
+                           or self.window and self.combine == 'joint'):
+            yield ("delta is a feature map's linear part, alone or beside a window with "
+                   "combine=mix (it has no normaliser z to share with the window), impl chunked or "
+                   "recurrent: no diag_block, cache or decay (gate=1 is its decay)")
         if self.exact and not re.fullmatch(r'\d+(\+\d+)*', self.exact):
             yield "exact takes KV head indices joined by +, e.g. exact=0+2"
         unknown = [key for key, _ in self.options if key not in known]
@@ -708,9 +708,10 @@ def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
 
 # ---- 4b. the delta rule: a state that overwrites ---------------------------------
 # The sum S_t = S_t-1 + phi(k_t) v_t^T only adds: a key written once is blurred by every later one.
-# The delta rule (Schlag et al. 2021, Eq. 23-24; DeltaNet, Yang et al. 2024, Eq. 2) first reads what
-# S holds at k_t and moves it beta_t of the way to v_t; Gated DeltaNet (Yang et al. 2025, Eq. 10)
-# decays S by alpha_t first. In this file's layout (S is F x D, y_t = S_t^T phi(q_t)):
+# The delta rule (Schlag et al. 2021, arXiv 2102.11174; DeltaNet, Yang et al. 2024, arXiv
+# 2406.06484) first reads what S holds at k_t and moves it beta_t of the way to v_t; Gated DeltaNet
+# (Yang et al. 2025, arXiv 2412.06464) decays S by alpha_t first. In this file's layout (S is F x D,
+# y_t = S_t^T phi(q_t)):
 #     S_t = alpha_t S_t-1 + beta_t phi(k_t) (v_t - alpha_t S_t-1^T phi(k_t))^T
 # With |phi(k)| = 1 and 0 < beta <= 1 the write I - beta phi(k) phi(k)^T has eigenvalues 1 - beta
 # and 1: S never grows (a contraction), so the caller L2-normalises phi(k), and phi(q) too (y is
@@ -745,34 +746,36 @@ def delta_step(S, k, v, beta, alpha):
     recalled = torch.einsum('bhf,bhfd->bhd', k, S)                   # S^T phi(k_t)
     return S + torch.einsum('bhf,bhd->bhfd', beta[..., None] * k, v - recalled)
 
-def _delta_recurrent(q, k, v, beta, log_alpha, S):
+def _delta_recurrent(q, k, v, gates, S):
     """The reference: one delta_step a token, then y_t = S_t^T q_t."""
     ys = []
     for t in range(q.shape[2]):
-        S = delta_step(S, k[:, :, t], v[:, :, t], beta[..., t], log_alpha[..., t].exp())
+        beta, log_alpha = gates[:, :, t].unbind(-1)
+        S = delta_step(S, k[:, :, t], v[:, :, t], beta, log_alpha.exp())
         ys.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], S))
-    return torch.stack(ys, 2) if ys else v, S
+    return torch.stack(ys, 2), S
 
-def _delta_chunked(q, k, v, beta, log_alpha, S, C):
-    """The same in chunks of C tokens (the WY / UT form: DeltaNet Sec. 3.2, Gated DeltaNet Sec.
-    3.3). In a chunk, with gamma_i = alpha_1 .. alpha_i and S0 the state before it,
+def _delta_chunked(q, k, v, gates, S, C):
+    """The same in chunks of C tokens (DeltaNet's and Gated DeltaNet's chunkwise WY / UT form;
+    fla's naive chunk_delta_rule is the same algebra). In a chunk, with gamma_i = alpha_1 .. alpha_i
+    and S0 the state before it,
         S_i = gamma_i S0 + sum_{j<=i} (gamma_i / gamma_j) k_j u_j^T
     where u_j, what token j writes, depends on the u_l before it: (I + L) U = diag(beta) (V -
     diag(gamma) K S0), L_jl = beta_j (gamma_j / gamma_l) k_j.k_l for l < j, lower triangular. One
-    solve for every chunk at once gives [W | U~] = (I + L)^-1 diag(beta) [diag(gamma) K | V], so that
-    U = U~ - W S0; then, chunk after chunk (only S0 passes on):
+    solve for every chunk at once gives [W | U~] = (I + L)^-1 diag(beta) [diag(gamma) K | V], so
+    that U = U~ - W S0; then, chunk after chunk (only S0 passes on):
         y_i = gamma_i S0^T q_i + sum_{j<=i} (gamma_i / gamma_j) (q_i.k_j) u_j
         S_C = gamma_C S0 + sum_j (gamma_C / gamma_j) k_j u_j^T
     Padding writes nothing (beta 0, alpha 1)."""
-    B, H, T, F = k.shape
+    T, F = k.shape[2:]
     n = math.ceil(T / C)
 
-    def chunks(x):   # (B, H, T, ...) -> (B, H, n, C, ...), zero-padded
-        return nnf.pad(x, (0, 0) * (x.dim() - 3) + (0, -T % C)).unflatten(2, (n, C))
-    qc, kc, vc, bc = (chunks(x) for x in (q, k, v, beta))
-    g = chunks(log_alpha).cumsum(-1)                                 # (B, H, n, C): log gamma_i
-    later = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-    ratio = (g[..., :, None] - g[..., None, :]).masked_fill(later, -math.inf).exp()  # gamma_i/gamma_j
+    def chunks(x):   # (B, H, T, E) -> (B, H, n, C, E), zero-padded
+        return nnf.pad(x, (0, 0, 0, -T % C)).unflatten(2, (n, C))
+    qc, kc, vc, gc = (chunks(x) for x in (q, k, v, gates))
+    bc = gc[..., 0]                                                  # (B, H, n, C): beta
+    g = gc[..., 1].cumsum(-1)                                        # (B, H, n, C): log gamma_i
+    ratio = (g[..., :, None] - g[..., None, :]).tril().exp().tril()  # gamma_i / gamma_j, j <= i
     L = (kc @ kc.mT) * ratio * bc[..., None]          # (its diagonal unread: unitriangular)
     rhs = bc[..., None] * torch.cat([g.exp()[..., None] * kc, vc], -1)
     W, U = torch.linalg.solve_triangular(L, rhs, upper=False,
@@ -784,19 +787,17 @@ def _delta_chunked(q, k, v, beta, log_alpha, S, C):
         u = U[:, :, j] - W[:, :, j] @ S                              # (B, H, C, D)
         ys.append(g[:, :, j, :, None].exp() * (qc[:, :, j] @ S) + scores[:, :, j] @ u)
         S = g[:, :, j, -1, None, None].exp() * S + k_end[:, :, j].mT @ u
-    return torch.cat(ys, 2)[:, :, :T] if ys else v, S
+    return torch.cat(ys, 2)[:, :, :T] if ys else v, S   # (T = 0: v, no tokens)
 
 def delta_rule(phi_q, phi_k, v, gates, impl='chunked', chunk_size=64, S=None):
     """The delta rule over T tokens after state S (None: zeros): phi_q, phi_k unit-norm (B, H, T,
-    F), v (B, H, T, D), gates (B, H, T, 2) each key's beta and log alpha -> y (B, H, T, D), the final
-    S, float32 (float64 stays). impl: 'recurrent' or 'chunked' (chunks of chunk_size)."""
-    q = acc(phi_q)
-    v = acc(v)
-    beta, log_alpha = acc(gates).unbind(-1)
+    F), v (B, H, T, D), gates (B, H, T, 2) each key's beta and log alpha -> y (B, H, T, D), the
+    final S, float32 (float64 stays). impl: 'recurrent' or 'chunked' (chunks of chunk_size)."""
+    q, k, v, gates = (acc(x) for x in (phi_q, phi_k, v, gates))
     S = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]) if S is None else S
     if impl == 'recurrent':
-        return _delta_recurrent(q, acc(phi_k), v, beta, log_alpha, S)
-    return _delta_chunked(q, acc(phi_k), v, beta, log_alpha, S, chunk_size)
+        return _delta_recurrent(q, k, v, gates, S)
+    return _delta_chunked(q, k, v, gates, S, chunk_size)
 
 # ---- 5. metrics and DoF's kernel loss ---------------------------------------
 def attention_entropy(w, eps=1e-12):

@@ -233,10 +233,6 @@ class DeltaState:
     n: int            # tokens folded in
     pos: torch.Tensor | None = None   # (1,) long on the device, Linear's: tokens seen
 
-    @staticmethod
-    def empty(B, H, F, D, like):
-        return DeltaState(like.new_zeros(B, H, F, D), 0)
-
     def fold(self, phi, gates, v, n):
         """The state with keys phi (B, H, L, F) written in order (delta_rule's chunked form)."""
         return DeltaState(A.delta_rule(phi, phi, v, gates, S=self.S)[1], self.n + n)
@@ -405,12 +401,10 @@ class Attention(nn.Module):
                           ('rest_idx', self.rest_q), ('order_idx', order)):   # exact_kv: 1 per KV
             self.register_buffer(name, torch.tensor(idx, dtype=torch.long), persistent=False)
         self.fmap = None
-        if spec.name != 'softmax' and self.mode != 'softmax':
-            options = {}
-            if spec.name == 'cosformer' and max_len is not None:
-                options['max_len'] = max_len
-            options.update(spec.options)  # the spec's own max_len wins
-            self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q), **options)
+        if spec.name != 'softmax' and self.mode != 'softmax':   # (the spec's own max_len wins)
+            cos = {'max_len': max_len} if spec.name == 'cosformer' and max_len is not None else {}
+            self.fmap = A.FEATURE_MAPS[spec.name](head_dim, len(self.rest_q),
+                                                  **{**cos, **dict(spec.options)})
         self.inv_freq = rope_inv_freq   # (D/2,) RoPE's, fp32: not a buffer, which .to(dtype) would
                                         # cast
         if spec.decay and self.fmap is not None:   # lambda = exp(-g), g = exp(decay_rate) per head
@@ -419,8 +413,7 @@ class Attention(nn.Module):
         if spec.delta and self.fmap is not None:   # beta and alpha from each key
             self.gates = A.DeltaGates(head_dim, len(self.rest_q), spec.gate)
         # keys' shifts (the delta rule: gates) not 0
-        self.shifted = self.fmap is not None and (self.fmap.log_domain or bool(spec.decay or
-                                                                               spec.delta))
+        self.shifted = bool(self.fmap and (self.fmap.log_domain or spec.decay or spec.delta))
         self.fusable = fusable(self)
 
     window = property(lambda self: self.spec.window)
@@ -431,10 +424,9 @@ class Attention(nn.Module):
     def forward(self, q, k, v, state=None, return_state=False, key_padding_mask=None, shared=None):
         A.check_qk(q, k, self.head_dim, self.n_heads)
         self.shared = {} if shared is None else shared   # what the layers of a model step share
-        if key_padding_mask is not None and self.causal:
-            raise ValueError("key_padding_mask is for bidirectional (encoder) attention only")
-        if state is not None and not self.causal:
-            raise ValueError("a bidirectional core has no decode state")
+        if (key_padding_mask if self.causal else state) is not None:
+            raise ValueError("key_padding_mask is for bidirectional (encoder) attention, a decode "
+                             "state for causal attention")
         if not self.exact_q:
             y, state = self._run(q, k, v, state, return_state, key_padding_mask)
             return (y, state) if return_state else y
@@ -505,17 +497,11 @@ class Attention(nn.Module):
             phi_k = phi_k * key_padding_mask[:, None, :, None]
             c_k = c_k.masked_fill(~key_padding_mask[:, None], NO_KEY)
         if self.spec.decay:
-            g, t = self.decay()[:, None], _positions(q, start)   # (H, 1), (T,)
+            g, t = decay_g(self)[:, None], _positions(q, start)   # (H, 1), (T,)
             c_q, c_k = c_q - g * t, c_k + g * (t - back)
         if self.spec.delta:   # unit-norm features (section 4b), and the keys' gates for c_k
             return nnf.normalize(phi_q, dim=-1), nnf.normalize(phi_k, dim=-1), c_q, self.gates(k_in)
         return phi_q, phi_k, c_q, c_k
-
-    def decay(self):
-        """The decay's g (H,) float64, lambda = exp(-g): exp(decay_rate) in float32 (whatever the
-        parameter's dtype), then float64, on every path (the fused step's too): a prompt's keys and
-        the decoded ones shift by one g (two g were off by |g32 - g64| t: 2.7e-4 at 262K tokens)."""
-        return torch.exp(self.decay_rate.float()).double()
 
     @torch.no_grad()
     def calibrate(self, q, k, key_padding_mask=None):
@@ -526,6 +512,13 @@ class Attention(nn.Module):
             q, k = self.map_inputs(q[:, self.rest_q], k[:, self.rest_q])   # (B, H, T, D) each
             real = _real(q, key_padding_mask)
             self.fmap.calibrate(*(x.transpose(1, 2)[real].transpose(0, 1)[None] for x in (q, k)))
+
+def decay_g(core):
+    """The decay's g (H,) float64 of a core with spec decay, lambda = exp(-g): exp(decay_rate) in
+    float32 (whatever the parameter's dtype), then float64, on every path (the fused step's too): a
+    prompt's keys and the decoded ones shift by one g (two g were off by |g32 - g64| t: 2.7e-4 at
+    262K tokens)."""
+    return torch.exp(core.decay_rate.float()).double()
 
 def _positions(q, start):
     """The positions of q's tokens, (T,) long on q's device: from start (an int, or a (1,)
@@ -706,7 +699,7 @@ def fused_step(core, q, k, v, st):
         core.kv_groups, core.window, core.spec.sinks,
         skip=type(fm) is A.LolcatsFeatureMap, log=fm.log_domain,
         mix=core.spec.combine == 'mix', theta=getattr(core, 'window_factor', None),
-        decay_g=core.decay() if core.spec.decay else None,
+        decay_g=decay_g(core) if core.spec.decay else None,
         inv_freq=core.inv_freq if core.spec.nope else None,
         in_place=bool(slots and slots.static))
     if not window:
@@ -766,8 +759,9 @@ class Window(Attention):
         slots = Slots.empty(k1, v1, N + W).write(slot, kept, k1[:, :, kept], v1[:, :, kept])
         linear = None
         if phi_k is not None:   # tokens sinks .. T - W are outside the next query's window: folded
-            empty = (DeltaState if self.spec.delta else LinearState).empty(B, H, phi_k.shape[-1],
-                                                                           D, k)
+            F = phi_k.shape[-1]
+            empty = DeltaState(k.new_zeros(B, H, F, D), 0) if self.spec.delta else \
+                LinearState.empty(B, H, F, D, k)
             left = slice(N, max(first, N))
             linear = empty.fold(phi_k[:, :, left], c_k[:, :, left], v[:, :, left], T)
         return WindowState(slots, linear, _position(k, T), T, N)

@@ -775,7 +775,7 @@ def decode_step(q, k, v, pos, map_w, map_b, linear, slots=None, kv_groups=1, win
     _decode_kernel (its reference: hybrids' Linear.step, Window.step). q, k, v (B, H, 1, D), k and v
     GQA-repeated; pos (1,) long: the token's position; map_w (H, FW, D), map_b (H, FW); linear (S,
     z, m); slots (k, v, pos) of a window (None: linear attention alone); theta: the window factor,
-    raw, (H,); decay_g: the decay's g (H,) float64, hybrids' Attention.decay() (lambda = exp(-g));
+    raw, (H,); decay_g: the decay's g (H,) float64, hybrids.decay_g (lambda = exp(-g));
     inv_freq: RoPE's (nope). in_place: the state's own buffers are written (a CUDA graph's). -> y
     (B, H, 1, D) in v's dtype, the new linear state and slots."""
     (B, H, _, D), FW = q.shape, map_w.shape[1]
