@@ -720,29 +720,30 @@ def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
 
 class DeltaGates(nn.Module):
     """The delta rule's gates of keys k (B, H, T, D) -> (B, H, T, 2), per head:
-        beta_t = sigmoid(w_b.k_t + b_b)                                        (DeltaNet)
-        log alpha_t = -exp(A_log) softplus(w_a.k_t + b_a) with gate, else 0    (Gated DeltaNet)
-    init beta 1/2, alpha = exp(-dt), dt from 0.001 to 0.1 over the heads (Mamba 2's range), A_log
-    0. Ours: from the key (as the maps see it); the papers project the layer's input, which an
-    attention core does not see."""
+        beta_t = sigmoid(w_b.k_t + b_b)                                      (DeltaNet)
+        log alpha_t = -softplus(w_a.k_t + b_a) with gate, else 0             (Gated DeltaNet)
+    init beta 1/2, alpha = exp(-dt), dt from 0.001 to 0.1 over the heads (Mamba 2's range). Ours:
+    from the key (as the maps see it), where the papers project the layer's input, which an
+    attention core does not see; and without Gated DeltaNet's A = exp(A_log) in -A softplus(.),
+    which w_a and b_a absorb in both of softplus's regimes (A e^x = e^(x + log A); A x: A w_a, A
+    b_a)."""
 
     def __init__(self, head_dim, n_heads, gate):
         super().__init__()
         dt = torch.logspace(-3, -1, n_heads)
         self.weight = nn.Parameter(torch.zeros(n_heads, 2, head_dim))             # (H, 2, D)
         self.bias = nn.Parameter(torch.stack([torch.zeros(n_heads), dt.expm1().log()], 1))
-        self.A_log = nn.Parameter(torch.zeros(n_heads))
         self.gate = gate
 
     def forward(self, k):
         u = _per_head_linear(k, self.weight, self.bias)                          # (B, H, T, 2)
-        log_alpha = -self.A_log.to(k.dtype).exp()[:, None] * nnf.softplus(u[..., 1]) * self.gate
-        return torch.stack([torch.sigmoid(u[..., 0]), log_alpha], -1)
+        return torch.stack([torch.sigmoid(u[..., 0]), -nnf.softplus(u[..., 1]) * self.gate], -1)
 
-def delta_step(S, k, v, beta, alpha):
-    """One token, every head, line for line the equation: k (B, H, F), v (B, H, D), beta, alpha
-    (B, H) -> the new S."""
-    S = S * alpha[..., None, None]                                   # alpha_t S_t-1
+def delta_step(S, k, v, gates):
+    """One token, every head, line for line the equation: k (B, H, F), v (B, H, D), gates (B, H, 2)
+    beta and log alpha -> the new S."""
+    beta, log_alpha = gates.unbind(-1)
+    S = S * log_alpha.exp()[..., None, None]                         # alpha_t S_t-1
     recalled = torch.einsum('bhf,bhfd->bhd', k, S)                   # S^T phi(k_t)
     return S + torch.einsum('bhf,bhd->bhfd', beta[..., None] * k, v - recalled)
 
@@ -750,8 +751,7 @@ def _delta_recurrent(q, k, v, gates, S):
     """The reference: one delta_step a token, then y_t = S_t^T q_t."""
     ys = []
     for t in range(q.shape[2]):
-        beta, log_alpha = gates[:, :, t].unbind(-1)
-        S = delta_step(S, k[:, :, t], v[:, :, t], beta, log_alpha.exp())
+        S = delta_step(S, k[:, :, t], v[:, :, t], gates[:, :, t])
         ys.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], S))
     return torch.stack(ys, 2), S
 

@@ -239,8 +239,7 @@ class DeltaState:
 
     def add(self, phi, v, gates):
         """The state with one key per row written: phi (B, H, 1, F), v (B, H, 1, D)."""
-        beta, log_alpha = gates[:, :, 0].unbind(-1)
-        S = A.delta_step(self.S, phi[:, :, 0], v[:, :, 0], beta, log_alpha.exp())
+        S = A.delta_step(self.S, phi[:, :, 0], v[:, :, 0], gates[:, :, 0])
         return DeltaState(S, self.n + 1, None if self.pos is None else self.pos + 1)
 
     def read(self, phi_q):

@@ -57,7 +57,7 @@ def test_delta_step_is_the_recurrence_one_token_at_a_time():
     """delta_step, the decode step's write: 13 tokens one step each equal the recurrence's final state in float64."""
     q, k, v, gates, S = inputs(13)
     for t in range(13):
-        S = A.delta_step(S, k[:, :, t], v[:, :, t], gates[:, :, t, 0], gates[:, :, t, 1].exp())
+        S = A.delta_step(S, k[:, :, t], v[:, :, t], gates[:, :, t])
     assert (S - reference(q, k, v, gates, inputs(13)[4])[1]).abs().max() < 1e-12
 
 
@@ -83,8 +83,8 @@ def test_delta_overwrites_where_a_sum_adds():
 
 
 def test_delta_gates_follow_the_papers_forms():
-    """beta = sigmoid(w_b.k + b_b), log alpha = -exp(A_log) softplus(w_a.k + b_a) (gate=1; 0 without), per head, from
-    the parameters written out; at init beta 1/2 and alpha = exp(-dt), dt 0.001 .. 0.1 over the heads."""
+    """beta = sigmoid(w_b.k + b_b), log alpha = -softplus(w_a.k + b_a) (gate=1; 0 without), per head, from the
+    parameters written out; at init beta 1/2 and alpha = exp(-dt), dt 0.001 .. 0.1 over the heads."""
     gates = A.DeltaGates(D, H, gate=1)
     k = torch.randn(B, H, 7, D)
     g0 = gates(k)
@@ -93,9 +93,9 @@ def test_delta_gates_follow_the_papers_forms():
     with torch.no_grad():
         for p in gates.parameters():
             p.normal_()
-    w, b, A_log = gates.weight.double(), gates.bias.double(), gates.A_log.double()
+    w, b = gates.weight.double(), gates.bias.double()
     u = torch.einsum('bhtd,hgd->bhtg', k.double(), w) + b[:, None]
-    want = torch.stack([torch.sigmoid(u[..., 0]), -A_log.exp()[:, None] * nnf.softplus(u[..., 1])], -1)
+    want = torch.stack([torch.sigmoid(u[..., 0]), -nnf.softplus(u[..., 1])], -1)
     torch.testing.assert_close(gates(k).double(), want, atol=1e-6, rtol=1e-5)
     assert (A.DeltaGates(D, H, gate=0)(k)[..., 1] == 0).all()
 
