@@ -834,8 +834,13 @@ def monotonicity(w, q, k, causal=True):
     return torch.stack(rhos, -1).mean(-1), (s[vis].float(), w[vis].float())
 
 def kl_divergence(p, q, eps=1e-12):
-    """KL(p || q) per row of two (B, H, T, T) attention matrices -> (B, H, T), nats."""
-    return (p.float() * ((p.float() + eps).log() - (q.float() + eps).log())).sum(-1)
+    """KL(p || q) per row of two (B, H, T, T) attention matrices -> (B, H, T), nats. q's rows are
+    taken at their positive part, renormalised: no change for softmax's and a sum's (distributions
+    already), and a distribution to compare with for the delta rule's (section 4b), whose weights
+    may be negative and need not sum to 1."""
+    q = q.float().clamp_min(0)
+    q = q / q.sum(-1, keepdim=True).clamp_min(eps)
+    return (p.float() * ((p.float() + eps).log() - (q + eps).log())).sum(-1)
 
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
     """DoF's kernel loss: MSE of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the visible

@@ -146,3 +146,18 @@ def test_delta_spec_refusals(spec, why):
 def test_delta_is_refused_in_a_bidirectional_layer():
     with pytest.raises(A.UsageError, match='the delta rule writes in order'):
         Hy.Attention('hedgehog:delta=1', D, H, causal=False)
+
+
+def test_fidelity_kl_of_the_delta_rules_weights():
+    """The delta rule's weights (its output for identity values) can be negative and need not sum to 1: the fidelity
+    KL compares softmax with their positive part, renormalised (finite, where the plain formula gave nan); for a
+    distribution it is the plain KL, written out here in float64."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, B, H, 16, D)
+    w = Hy.Attention('hedgehog:delta=1', D, H).weights(q, k)
+    p = A.softmax_weights(q, k)
+    assert (w < 0).any() and torch.isfinite(A.kl_divergence(p, w)).all()
+    wn = w.clamp_min(0) / w.clamp_min(0).sum(-1, keepdim=True)
+    torch.testing.assert_close(A.kl_divergence(p, w), A.kl_divergence(p, wn))
+    plain = (p.double() * ((p.double() + 1e-12).log() - (wn.double() + 1e-12).log())).sum(-1)   # (eps as in it)
+    torch.testing.assert_close(A.kl_divergence(p, wn).double(), plain, atol=1e-4, rtol=1e-4)
