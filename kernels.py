@@ -1,8 +1,8 @@
 """
-Causal linear attention in Triton: the naive reference, five kernels in five launches, the autograd
-wrapper; the fused decode step (one token of a layer in one launch, decode_step; its reference:
-hybrids' Linear.step and Window.step); a CUDA benchmark (where the time goes on an H100:
-docs/RESULTS.md 16.6).
+Causal linear attention in Triton: the naive reference, four kernels in five launches (one
+sequential pass, forward or backward), the autograd wrapper; the fused decode step (one token of a
+layer in one launch, decode_step; its reference: hybrids' Linear.step and Window.step); a CUDA
+benchmark (where the time goes on an H100: docs/RESULTS.md 16.6).
 
 What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values v (B,
 H, T, D):
@@ -35,12 +35,12 @@ The denominator comes from the same A and z, not from a separate pass (where pub
 silent gradient bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128,
 D=64, bf16):
 
-    fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores
+    fwd state   _state_kernel      (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores
                                    S_j, z_j; holds its (BF, BD) = (32, 32) block of S in fp32
     fwd out     _fwd_kernel        (NT, BH, D/BD) (512, 12, 1): y and 1/den of one chunk; holds
                                    A, q S_j (BT, BD), accumulated over feature blocks of 64
-    (backward)  _fwd_state_kernel  'fwd state' again: the states are recomputed, not saved
-    bwd dstate  _bwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores
+    (backward)  _state_kernel      'fwd state' again: the states are recomputed, not saved
+    bwd dstate  _state_kernel      (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores
                                    dS, dz after each chunk; holds its (32, 32) block of dS in fp32
     bwd dqk     _bwd_dqk_kernel    (NT, BH, F/BF) (512, 12, 2): dq, dk of one chunk and feature
                                    block of 64; holds G (BT, BT), dq (BT, BF), dk^T (BF, BT),
@@ -192,77 +192,28 @@ if HAS_TRITON:
             tl.store(Z_OUT + offs_f, z, mask=mask_f)
 
     @triton.jit
-    def _fwd_state_kernel(
-        K, V,                 # (B*H, T, F), (B*H, T, D)
-        C, M, MB,             # (B*H, T) key shifts, the rows' running max, (B*H, NT) M_{j-1}
+    def _state_kernel(
+        X, Y,                 # (B*H, T, F), (B*H, T, D): forward k, v; backward q, dy
+        C, M, MB,             # (B*H, T) key shifts (forward), the rows' running max, (B*H, NT)
+                              # M_{j-1}
+        RDEN, DELTA,          # (B*H, T) 1/den, dy.y (backward)
         STATES, ZS,           # out (B*H, NT, F, D), (B*H, NT, F): the state before each chunk
-        S_INIT, Z_INIT,       # (B*H, F, D), (B*H, F) fp32: the initial state, or None
-        S_END, Z_END,         # (B*H, F, D), (B*H, F) fp32 out: the final state, or None
+                              # (forward), its gradient after each chunk (backward)
+        S_IN, Z_IN,           # (B*H, F, D), (B*H, F) fp32: the initial state (forward), the
+                              # gradient reaching the final state (backward), or None
+        S_OUT, Z_OUT,         # (B*H, F, D), (B*H, F) fp32 out: the final state (forward), the
+                              # initial state's gradient (backward), or None
         T, F, D,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        BF16: tl.constexpr, PRECISION: tl.constexpr,
+        BF16: tl.constexpr, PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
     ):
-        """The forward's sequential pass, chunks j = 0 .. NT-1, one program per (bh, feature block,
-        value block), its block of the state in fp32 registers. STATES[j] = the state before chunk
+        """A sequential pass, one program per (bh, feature block, value block), its block of the
+        state in fp32 registers. Forward, chunks j = 0 .. NT-1: STATES[j] = the state before chunk
         j, in units exp(-M_{j-1}); then
             S <- S e^(M_{j-1} - M_j) + sum_s k_s (v_s e^(c_s - M_j))^T,
-        z likewise with k_s alone."""
-        i_bh = tl.program_id(0).to(tl.int64)
-        i_f = tl.program_id(1)
-        i_d = tl.program_id(2)
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
-        offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_f = offs_f < F
-        mask_d = offs_d < D
-        NT = tl.cdiv(T, BLOCK_T)
-        # this head's rows
-        K = K + i_bh * T * F
-        V = V + i_bh * T * D
-        C = C + i_bh * T
-        M = M + i_bh * T
-        STATES = STATES + i_bh * NT * F * D
-        ZS = ZS + i_bh * NT * F
-        if S_INIT is not None:
-            S_INIT = S_INIT + i_bh * F * D
-            Z_INIT = Z_INIT + i_bh * F
-        S, z = _load_state(S_INIT, Z_INIT, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
-
-        for j in range(0, NT):
-            _store_state(STATES + j * F * D, ZS + j * F, S, z, offs_f, offs_d, D,
-                         mask_f, mask_d, i_d)
-            rows = j * BLOCK_T + offs_t
-            mask_t = rows < T
-            m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
-            kT = _tile(K, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
-            v = _tile(V, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
-            w = tl.exp(tl.load(C + rows, mask=mask_t, other=-1e30) - m_after)   # (BT,) key s's
-                                                                                # factor
-            # the state's new units
-            decay = tl.exp(m_before - m_after)
-            S = S * decay + _dot(kT, v * w[:, None], BF16, PRECISION)           # (BF, BD)
-            z = z * decay + tl.sum(kT.to(tl.float32) * w[None, :], axis=1)      # (BF,)
-        if S_END is not None:
-            _store_state(S_END + i_bh * F * D, Z_END + i_bh * F, S, z, offs_f, offs_d, D,
-                         mask_f, mask_d, i_d)
-
-    @triton.jit
-    def _bwd_state_kernel(
-        Q, DY,                # (B*H, T, F), (B*H, T, D)
-        M, MB, RDEN, DELTA,   # (B*H, T) the rows' running max; (B*H, NT) M_{j-1}; 1/den, dy.y
-        DSTATES, DZS,         # out (B*H, NT, F, D), (B*H, NT, F): the state gradient after each
-                              # chunk
-        DS_END, DZ_END,       # (B*H, F, D), (B*H, F) fp32: the gradient reaching the final state,
-                              # or None
-        DS_INIT, DZ_INIT,     # (B*H, F, D), (B*H, F) fp32 out: the initial state's gradient, or
-                              # None
-        T, F, D,
-        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        BF16: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """The backward's sequential pass, chunks j = NT-1 .. 0, one program per (bh, feature block,
-        value block). DSTATES[j] = dS after chunk j, in units exp(-M_j); then, with g_t = dy_t /
-        den_t and r_t = -(dy_t . y_t) / den_t (dL/dnum and dL/dden of row t):
+        z likewise with k_s alone. Backward, chunks j = NT-1 .. 0: STATES[j] = dS after chunk j, in
+        units exp(-M_j); then, with g_t = dy_t / den_t and r_t = -(dy_t . y_t) / den_t (dL/dnum and
+        dL/dden of row t):
             dS <- dS e^(M_{j-1} - M_j) + sum_t q_t (g_t e^(M_{j-1} - m_t))^T,
         dz likewise with r_t."""
         i_bh = tl.program_id(0).to(tl.int64)
@@ -275,36 +226,38 @@ if HAS_TRITON:
         mask_d = offs_d < D
         NT = tl.cdiv(T, BLOCK_T)
         # this head's rows
-        Q = Q + i_bh * T * F
-        DY = DY + i_bh * T * D
+        X = X + i_bh * T * F
+        Y = Y + i_bh * T * D
         M = M + i_bh * T
-        RDEN = RDEN + i_bh * T
-        DELTA = DELTA + i_bh * T
-        DSTATES = DSTATES + i_bh * NT * F * D
-        DZS = DZS + i_bh * NT * F
-        if DS_END is not None:
-            DS_END = DS_END + i_bh * F * D
-            DZ_END = DZ_END + i_bh * F
-        dS, dz = _load_state(DS_END, DZ_END, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
+        STATES = STATES + i_bh * NT * F * D
+        ZS = ZS + i_bh * NT * F
+        if S_IN is not None:
+            S_IN = S_IN + i_bh * F * D
+            Z_IN = Z_IN + i_bh * F
+        S, z = _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
 
         for i in range(0, NT):
-            j = NT - 1 - i
-            _store_state(DSTATES + j * F * D, DZS + j * F, dS, dz, offs_f, offs_d, D,
+            j = NT - 1 - i if BACKWARD else i
+            _store_state(STATES + j * F * D, ZS + j * F, S, z, offs_f, offs_d, D,
                          mask_f, mask_d, i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
             m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
-            qT = _tile(Q, offs_f, rows, 1, F, mask_f, mask_t)                      # (BF, BT)
-            dy = _tile(DY, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
-            # (BT,) row t's factor
-            w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))
-            g_w = w * tl.load(RDEN + rows, mask=mask_t, other=0.)                 # (BT,)
-            r_w = -g_w * tl.load(DELTA + rows, mask=mask_t, other=0.)             # (BT,)
+            xT = _tile(X, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
+            y = _tile(Y, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
+            if BACKWARD:   # (BT,) row t's factor, times g_t's 1/den_t (for dS), and r_t's (dz)
+                w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))
+                w = w * tl.load(RDEN + i_bh * T + rows, mask=mask_t, other=0.)
+                w_z = -w * tl.load(DELTA + i_bh * T + rows, mask=mask_t, other=0.)
+            else:   # (BT,) key s's factor, for S and z alike
+                w = tl.exp(tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30) - m_after)
+                w_z = w
+            # the state's new units
             decay = tl.exp(m_before - m_after)
-            dS = dS * decay + _dot(qT, dy * g_w[:, None], BF16, PRECISION)         # (BF, BD)
-            dz = dz * decay + tl.sum(qT.to(tl.float32) * r_w[None, :], axis=1)    # (BF,)
-        if DS_INIT is not None:
-            _store_state(DS_INIT + i_bh * F * D, DZ_INIT + i_bh * F, dS, dz, offs_f, offs_d, D,
+            S = S * decay + _dot(xT, y * w[:, None], BF16, PRECISION)           # (BF, BD)
+            z = z * decay + tl.sum(xT.to(tl.float32) * w_z[None, :], axis=1)    # (BF,)
+        if S_OUT is not None:
+            _store_state(S_OUT + i_bh * F * D, Z_OUT + i_bh * F, S, z, offs_f, offs_d, D,
                          mask_f, mask_d, i_d)
 
     @triton.jit
@@ -376,8 +329,8 @@ if HAS_TRITON:
     @triton.jit
     def _bwd_dqk_kernel(
         Q, K, V, DY, RDEN, DELTA,  # (B*H, T, F) twice, (B*H, T, D) twice, (B*H, T) twice
-        STATES, ZS,                # the state before each chunk (_fwd_state_kernel)
-        DSTATES, DZS,              # its gradient after each chunk (_bwd_state_kernel)
+        STATES, ZS,                # the state before each chunk ('fwd state')
+        DSTATES, DZS,              # its gradient after each chunk ('bwd dstate')
         C, M, MB,                  # key shifts, the rows' running max, M_{j-1} (as the forward)
         DQ, DK,                    # out (B*H, T, F), in phi_q's and phi_k's dtype
         T, F, D,
@@ -498,9 +451,9 @@ def _launches(BH, T, F, D, chunk, cfg):
     nt = triton.cdiv(T, chunk)
     seq_grid = (BH, triton.cdiv(F, seq['BLOCK_F']), triton.cdiv(D, seq['BLOCK_D']))
     out_grid = (nt, BH, triton.cdiv(D, out['BLOCK_D']))
-    return {'fwd state': (_fwd_state_kernel, seq_grid, seq),
+    return {'fwd state': (_state_kernel, seq_grid, dict(seq, BACKWARD=False)),
             'fwd out': (_fwd_kernel, out_grid, out),
-            'bwd dstate': (_bwd_state_kernel, seq_grid, seq),
+            'bwd dstate': (_state_kernel, seq_grid, dict(seq, BACKWARD=True)),
             'bwd dqk': (_bwd_dqk_kernel, (nt, BH, triton.cdiv(F, dqk['BLOCK_F'])), dqk),
             'bwd dv': (_bwd_dv_kernel, out_grid, out)}
 
@@ -578,7 +531,8 @@ class CausalLinearAttention(torch.autograd.Function):
         y = torch.empty_like(vv)
         rden = q.new_empty(B * H, T, dtype=torch.float32)
         S_end, z_end = _new_state(q, F, D) if return_state else (None, None)
-        _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, S_end, z_end, T, F, D)
+        _launch(launches, 'fwd state', k, vv, c, m, MB, None, None, states, zs, S0, z0, S_end,
+                z_end, T, F, D)
         _launch(launches, 'fwd out', q, k, vv, y, rden, states, zs, c, m, MB, T, F, D, float(eps))
         del states, zs   # the backward recomputes them
         ctx.save_for_backward(q, k, vv, y, rden, S0, z0, c, m, MB)
@@ -605,8 +559,9 @@ class CausalLinearAttention(torch.autograd.Function):
             dstates, dzs = _chunk_states(q, T, F, D, chunk, cfg)
             dq, dk, dv = (torch.empty_like(x, dtype=dt) for x, dt in zip((q, k, vv), ctx.dtypes))
             dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)   # fp32
-            _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, None, None, T, F, D)
-            _launch(launches, 'bwd dstate', q, dy, m, MB, rden, delta, dstates, dzs, dS_end,
+            _launch(launches, 'fwd state', k, vv, c, m, MB, None, None, states, zs, S0, z0, None,
+                    None, T, F, D)
+            _launch(launches, 'bwd dstate', q, dy, None, m, MB, rden, delta, dstates, dzs, dS_end,
                     dz_end, dS0, dz0, T, F, D)
             _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m,
                     MB, dq, dk, T, F, D)
