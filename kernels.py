@@ -20,10 +20,11 @@ quadratic in T.
 Design: flash-linear-attention's two-pass chunk form. Time is cut into chunks of BLOCK_T = 64 rows,
 NT = T / 64 of them; M_j is the running max at chunk j's last row (M_-1 = m_0), known beforehand (a
 cummax in PyTorch, where each chunk's shifts and maxes are rebased to its own M_j: float64 shifts as
-large as a decay's keep their precision). A sequential pass writes the state every chunk starts
-from; the attention inside the chunks and the outputs then run in parallel over (chunk, batch x
-head, block). Per chunk j (rows t, keys s of the chunk; S_j, z_j: the state before it, in units
-exp(-M_j-1); r_t = exp(M_j-1 - m_t)):
+large as a decay's keep their precision; in those units M_j = 0, so the kernels read only
+M_j-1 - M_j). A sequential pass writes the state every chunk starts from; the attention inside the
+chunks and the outputs then run in parallel over (chunk, batch x head, block). Per chunk j (rows
+t, keys s of the chunk; S_j, z_j: the state before it, in units exp(-M_j-1); r_t = exp(M_j-1 -
+m_t)):
 
     A    = q k^T exp(c_s - m_t), masked to s <= t     (BLOCK_T, BLOCK_T)  fp32 accumulation
     num  = A v + q S_j r                              (BLOCK_T, BLOCK_D)  intra- + inter-chunk
@@ -164,13 +165,6 @@ if HAS_TRITON:
                        mask=mask_r[:, None] & mask_c[None, :], other=0.)
 
     @triton.jit
-    def _maxes(M, MB, T, j, BLOCK_T: tl.constexpr):
-        """M_{j-1} and M_j: the running max before chunk j (m_0 for j = 0) and at its last row, in
-        chunk j's units; M: one head's (T,), MB: its (NT,) M_{j-1}."""
-        m_after = tl.load(M + tl.minimum(j * BLOCK_T + BLOCK_T, T) - 1)
-        return tl.load(MB + j), m_after
-
-    @triton.jit
     def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F: tl.constexpr,
                     BLOCK_D: tl.constexpr):
         """One program's block of a state: S_IN[offs_f, offs_d] (BF, BD) and Z_IN[offs_f] (BF,),
@@ -242,7 +236,7 @@ if HAS_TRITON:
                          mask_f, mask_d, i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
-            m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
+            m_before = tl.load(MB + i_bh * NT + j)   # M_{j-1} in chunk j's units (M_j = 0)
             xT = _tile(X, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
             y = _tile(Y, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
             if BACKWARD:   # (BT,) row t's factor, times g_t's 1/den_t (for dS), and r_t's (dz)
@@ -250,10 +244,10 @@ if HAS_TRITON:
                 w = w * tl.load(RDEN + i_bh * T + rows, mask=mask_t, other=0.)
                 w_z = -w * tl.load(DELTA + i_bh * T + rows, mask=mask_t, other=0.)
             else:   # (BT,) key s's factor, for S and z alike
-                w = tl.exp(tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30) - m_after)
+                w = tl.exp(tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30))
                 w_z = w
             # the state's new units
-            decay = tl.exp(m_before - m_after)
+            decay = tl.exp(m_before)
             S = S * decay + _dot(xT, y * w[:, None], BF16, PRECISION)           # (BF, BD)
             z = z * decay + tl.sum(xT.to(tl.float32) * w_z[None, :], axis=1)    # (BF,)
         if S_OUT is not None:
@@ -261,13 +255,14 @@ if HAS_TRITON:
                          mask_f, mask_d, i_d)
 
     @triton.jit
-    def _chunk(T, M, MB, i_bh, BLOCK_T: tl.constexpr):
-        """Chunk j = program_id(0) of (batch x head) i_bh: its rows, their mask, M_{j-1} and M_j,
-        and the index of its state in STATES (B*H, NT, ...)."""
+    def _chunk(T, MB, i_bh, BLOCK_T: tl.constexpr):
+        """Chunk j = program_id(0) of (batch x head) i_bh: its rows, their mask, M_{j-1} (the
+        running max before it, m_0 for j = 0, in chunk j's units: M_j = 0) and the index st of its
+        state in STATES (B*H, NT, ...), and of its M_{j-1} in MB (B*H, NT)."""
         j = tl.program_id(0)
         rows = j * BLOCK_T + tl.arange(0, BLOCK_T)
-        m_before, m_after = _maxes(M + i_bh * T, MB + i_bh * tl.cdiv(T, BLOCK_T), T, j, BLOCK_T)
-        return rows, rows < T, m_before, m_after, i_bh * tl.cdiv(T, BLOCK_T) + j
+        st = i_bh * tl.cdiv(T, BLOCK_T) + j
+        return rows, rows < T, tl.load(MB + st), st
 
     @triton.jit
     def _shifts(C, M, i_bh, T, rows, mask_t):
@@ -290,7 +285,7 @@ if HAS_TRITON:
         and q S accumulated over feature blocks."""
         i_bh = tl.program_id(1).to(tl.int64)
         i_d = tl.program_id(2)
-        rows, mask_t, m_before, _, st = _chunk(T, M, MB, i_bh, BLOCK_T)
+        rows, mask_t, m_before, st = _chunk(T, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q = Q + i_bh * T * F
@@ -345,7 +340,7 @@ if HAS_TRITON:
         blocks."""
         i_bh = tl.program_id(1).to(tl.int64)
         i_f = tl.program_id(2)
-        rows, mask_t, m_before, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
+        rows, mask_t, m_before, st = _chunk(T, MB, i_bh, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = offs_f < F
         V = V + i_bh * T * D
@@ -383,7 +378,7 @@ if HAS_TRITON:
 
         dz = tl.load(DZS + st * F + offs_f, mask=mask_f, other=0.)         # (BF,)
         qT = _tile(Q + i_bh * T * F, offs_f, rows, 1, F, mask_f, mask_t)   # (BF, BT)
-        dkT = _dot(qT, G, BF16, PRECISION) + (dkT + dz[:, None]) * tl.exp(c - m_after)[None, :]
+        dkT = _dot(qT, G, BF16, PRECISION) + (dkT + dz[:, None]) * tl.exp(c)[None, :]
         tl.store(DK + i_bh * T * F + rows[None, :] * F + offs_f[:, None],
                  dkT.to(DK.dtype.element_ty), mask=mask_f[:, None] & mask_t[None, :])
 
@@ -402,7 +397,7 @@ if HAS_TRITON:
         blocks."""
         i_bh = tl.program_id(1).to(tl.int64)
         i_d = tl.program_id(2)
-        rows, mask_t, _, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
+        rows, mask_t, _, st = _chunk(T, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q = Q + i_bh * T * F
@@ -424,7 +419,7 @@ if HAS_TRITON:
         rden = tl.load(RDEN + i_bh * T + rows, mask=mask_t, other=0.)
         dy = _tile(DY + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)
         g = dy * rden[:, None]                                             # (BT, BD)
-        dv = _dot(PT, g, BF16, PRECISION) + kdS * tl.exp(c - m_after)[:, None]
+        dv = _dot(PT, g, BF16, PRECISION) + kdS * tl.exp(c)[:, None]
         tl.store(DV + i_bh * T * D + rows[:, None] * D + offs_d[None, :],
                  dv.to(DV.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
@@ -471,15 +466,14 @@ def _launch(launches, name, *args):
 
 def _chunk_states(x, T, F, D, chunk, cfg):
     """Empty per-chunk states (B*H, NT, F, D) and their z (B*H, NT, F) (dtypes: Memory above)."""
-    nt = triton.cdiv(T, chunk)
     dt = torch.bfloat16 if cfg['BF16'] else torch.float32
-    return x.new_empty(x.shape[0], nt, F, D, dtype=dt), x.new_empty(x.shape[0], nt, F,
-                                                                    dtype=torch.float32)
+    return _new_state(x, F, D, triton.cdiv(T, chunk), dtype=dt)
 
-def _new_state(x, F, D):
-    """An empty fp32 state (S (B*H, F, D), z (B*H, F)) beside x (B*H, ...)."""
-    return x.new_empty(x.shape[0], F, D, dtype=torch.float32), x.new_empty(x.shape[0], F,
-                                                                           dtype=torch.float32)
+def _new_state(x, F, D, *nt, dtype=torch.float32):
+    """An empty state S (B*H, *nt, F, D) in dtype, z (B*H, *nt, F) fp32, beside x (B*H, ...): one
+    fp32 state, or one per chunk (nt chunks)."""
+    S = x.new_empty(x.shape[0], *nt, F, D, dtype=dtype)
+    return S, x.new_empty(x.shape[0], *nt, F, dtype=torch.float32)
 
 def _on_device(x):
     """Launch on x's GPU (a no-op on the CPU)."""
@@ -502,9 +496,8 @@ def _rebased(c, m0, T, chunk):
     M = torch.cat([last, m[:, -1:]], 1) if T % chunk else last            # (BH, NT): M_j
     M_before = torch.cat([m0[:, None].detach(), M[:, :-1]], 1) - M
     units = M.repeat_interleave(chunk, 1)[:, :T]
-    return (c - units).float(), (m
-                                 - units).float().contiguous(), M_before.float().contiguous(), m[:,
-                                                                                                 -1]
+    m_units = (m - units).float().contiguous()                            # 0 at each chunk's end
+    return (c - units).float(), m_units, M_before.float().contiguous(), m[:, -1]
 
 class CausalLinearAttention(torch.autograd.Function):
     """apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32) -> y, or
