@@ -165,6 +165,13 @@ if HAS_TRITON:
                        mask=mask_r[:, None] & mask_c[None, :], other=0.)
 
     @triton.jit
+    def _put(ptr, rows, cols, stride_r, stride_c, mask_r, mask_c, x):
+        """Store x, in ptr's dtype, as the tile ptr[rows, cols] (_tile's layout) where not
+        masked."""
+        tl.store(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c,
+                 x.to(ptr.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
+
+    @triton.jit
     def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F: tl.constexpr,
                     BLOCK_D: tl.constexpr):
         """One program's block of a state: S_IN[offs_f, offs_d] (BF, BD) and Z_IN[offs_f] (BF,),
@@ -180,8 +187,7 @@ if HAS_TRITON:
     def _store_state(S_OUT, Z_OUT, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d):
         """Store one program's block of a state (S_OUT (F, D) in its own dtype); z from the first
         value block only."""
-        S_OUT = S_OUT + offs_f[:, None] * D + offs_d[None, :]
-        tl.store(S_OUT, S.to(S_OUT.dtype.element_ty), mask=mask_f[:, None] & mask_d[None, :])
+        _put(S_OUT, offs_f, offs_d, D, 1, mask_f, mask_d, S)
         if i_d == 0:
             tl.store(Z_OUT + offs_f, z, mask=mask_f)
 
@@ -315,9 +321,7 @@ if HAS_TRITON:
         num = _dot(A, v, BF16, PRECISION) + qS * r[:, None]
         den = tl.sum(A, axis=1) + qz * r + eps                         # (BT,) fp32
         rden = (den > 0).to(tl.float32) / tl.where(den > 0, den, 1.)   # 0 / 0 -> 0
-        y = (num * rden[:, None]).to(Y.dtype.element_ty)
-        tl.store(Y + i_bh * T * D + rows[:, None] * D + offs_d[None, :], y,
-                 mask=mask_t[:, None] & mask_d[None, :])
+        _put(Y + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d, num * rden[:, None])   # y
         if i_d == 0:
             tl.store(RDEN + i_bh * T + rows, rden, mask=mask_t)
 
@@ -373,14 +377,12 @@ if HAS_TRITON:
         k = _tile(K + i_bh * T * F, rows, offs_f, F, 1, mask_t, mask_f)    # (BT, BF)
         dq_state = (dq * rden[:, None] + r[:, None] * z[None, :]) * tl.exp(m_before - m)[:, None]
         dq = _dot(G, k, BF16, PRECISION) + dq_state
-        tl.store(DQ + i_bh * T * F + rows[:, None] * F + offs_f[None, :],
-                 dq.to(DQ.dtype.element_ty), mask=mask_t[:, None] & mask_f[None, :])
+        _put(DQ + i_bh * T * F, rows, offs_f, F, 1, mask_t, mask_f, dq)
 
         dz = tl.load(DZS + st * F + offs_f, mask=mask_f, other=0.)         # (BF,)
         qT = _tile(Q + i_bh * T * F, offs_f, rows, 1, F, mask_f, mask_t)   # (BF, BT)
         dkT = _dot(qT, G, BF16, PRECISION) + (dkT + dz[:, None]) * tl.exp(c)[None, :]
-        tl.store(DK + i_bh * T * F + rows[None, :] * F + offs_f[:, None],
-                 dkT.to(DK.dtype.element_ty), mask=mask_f[:, None] & mask_t[None, :])
+        _put(DK + i_bh * T * F, offs_f, rows, 1, F, mask_f, mask_t, dkT)   # dk, transposed
 
     @triton.jit
     def _bwd_dv_kernel(
@@ -420,8 +422,7 @@ if HAS_TRITON:
         dy = _tile(DY + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)
         g = dy * rden[:, None]                                             # (BT, BD)
         dv = _dot(PT, g, BF16, PRECISION) + kdS * tl.exp(c)[:, None]
-        tl.store(DV + i_bh * T * D + rows[:, None] * D + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+        _put(DV + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d, dv)
 
 # ---- launch and autograd ----------------------------------------------------
 # (BLOCK_F, BLOCK_D, num_warps) of the sequential passes, of 'fwd out' and 'bwd dv', and of 'bwd
@@ -540,10 +541,11 @@ class CausalLinearAttention(torch.autograd.Function):
     def backward(ctx, dy, dS_end=None, dz_end=None):
         q, k, vv, y, rden, S0, z0, c, m, MB = ctx.saved_tensors
         B, H, T, F, D, chunk, cfg = ctx.cfg
-        dy = torch.zeros_like(vv) if dy is None else dy.to(vv.dtype).reshape(vv.shape).contiguous()
-        if dS_end is not None or dz_end is not None:   # the one not used downstream: zeros
-            dS_end = _rows(q.new_zeros(B * H, F, D) if dS_end is None else dS_end, F, D)
-            dz_end = _rows(q.new_zeros(B * H, F) if dz_end is None else dz_end, F)
+        # (autograd gives zeros for an output not used downstream: materialize_grads)
+        dy = dy.to(vv.dtype).reshape(vv.shape).contiguous()
+        if dS_end is not None:   # return_state: the gradients reaching the final state
+            dS_end = _rows(dS_end, F, D)
+            dz_end = _rows(dz_end, F)
         need_dinit = S0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
         with _on_device(q):   # dS_end, dz_end: the gradients reaching the final state, or None
             delta = (dy.float() * y.float()).sum(-1)                           # (BH, T) dy_t . y_t
@@ -618,12 +620,9 @@ if HAS_TRITON:
         return e / total, c * 0.
 
     @triton.jit
-    def _ring_write(R, R2, x, new, offs_l, offs_d, D, inside):
-        """The slots R (L, D) with x (BD,) in the row where new, stored to R2 (R itself: in
-        place)."""
-        tile = tl.where(new, x[None, :], tl.load(R + offs_l[:, None] * D + offs_d[None, :],
-                                                 mask=inside, other=0.))
-        tl.store(R2 + offs_l[:, None] * D + offs_d[None, :], tile, mask=inside)
+    def _slots(R, x, new, offs_l, offs_d, D, L):
+        """The slots R (L, D) with x (BD,) in the row where new: (BL, BD), fp32."""
+        return tl.where(new, x[None, :], _tile(R, offs_l, offs_d, D, 1, offs_l < L, offs_d < D))
 
     @triton.jit
     def _fold(S, z, m, phi, c, v):
@@ -665,10 +664,13 @@ if HAS_TRITON:
         t_fold, k_fold = pos, _unrope(K + kv, offs_d, D, pos, INV_FREQ, NOPE)
         if WINDOW:   # the slots with this token written; the token leaving: t_fold, k_fold, v_out
             ring, slot = (b * (H // G) + j) * L * D, tl.where(pos < N, pos, N + pos % W)
-            new, inside = offs_l[:, None] == slot, (offs_l < L)[:, None] & mask_d[None, :]
+            new = offs_l[:, None] == slot
             p = tl.where(offs_l == slot, pos, tl.load(RP + offs_l, mask=offs_l < L, other=-1))
-            _ring_write(RK + ring, RK2 + ring, k, new, offs_l, offs_d, D, inside)
-            _ring_write(RV + ring, RV2 + ring, v, new, offs_l, offs_d, D, inside)
+            # the slots written to RK2, RV2 (RK, RV themselves: in place)
+            _put(RK2 + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d,
+                 _slots(RK + ring, k, new, offs_l, offs_d, D, L))
+            _put(RV2 + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d,
+                 _slots(RV + ring, v, new, offs_l, offs_d, D, L))
             tl.store(RP2 + offs_l, p, mask=offs_l < L)
             leaving, t_fold = N + (pos + 1) % W, pos + 1 - W
             real = tl.load(RP + leaving) >= 0
@@ -685,14 +687,12 @@ if HAS_TRITON:
                 c_q, c_k = c_q - g * pos, c_k + g * t_fold
             if WINDOW:   # the softmax part first (the slots), then the linear state
                 q = tl.load(Q + row * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
-                Kw = tl.where(new, k[None, :], _tile(RK + ring, offs_l, offs_d, D, 1,
-                                                     offs_l < L, mask_d))
+                Kw = _slots(RK + ring, k, new, offs_l, offs_d, D, L)
                 s = tl.where(p >= 0,
                              tl.sum(Kw * q[None, :], 1) / tl.sqrt(D.to(tl.float32)), -float('inf'))
                 a = tl.exp(s - tl.max(s, 0))                               # (BL,) the window's
                                                                            # weights
-                Vw = tl.where(new, v[None, :], _tile(RV + ring, offs_l, offs_d, D, 1,
-                                                     offs_l < L, mask_d))
+                Vw = _slots(RV + ring, v, new, offs_l, offs_d, D, L)
                 y_w = tl.sum(a[:, None] * Vw, 0) / tl.sum(a, 0)
             S_h = _tile(S + row * F * D, rows_f, offs_d, D, 1, mask_f, mask_d)
             z_h = tl.load(Z + row * F + rows_f, mask=mask_f, other=0.)
@@ -802,9 +802,10 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
 def _benchmark(B, H, Ts, F, D, dt):
     """python kernels.py: median ms of the kernel, the naive reference, SDPA (and fla's chunk form
     where installed), forward and forward+backward, on CUDA."""
-    import importlib.util
-    fla = importlib.util.find_spec('fla') and importlib.import_module('fla.ops.linear_attn')
-    fla = fla and fla.chunk_linear_attn
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn as fla
+    except ImportError:   # not installed
+        fla = None
     print(f'B={B} H={H} F={F} D={D} {dt}: median ms (triton.testing.do_bench), fwd / fwd+bwd' + (
         '; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) layout '
         'made untimed' if fla else ' (pip install flash-linear-attention adds its '
