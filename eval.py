@@ -100,7 +100,7 @@ def capture_qk(model, idx, teacher=False):
 
     teacher=True: those of the softmax teacher's pass."""
     with model.capture_qkv(teacher=teacher) as rec:
-        model.encode(idx) if model.config.family == 'bert' else model(idx)
+        model(idx)   # (a Bert's forward: its encoder)
     return [tuple(t.float().cpu() for t in rec[i][:2]) for i in sorted(rec)]   # (q, k)
 
 # ---- perplexity and GLUE (train.py's perplexity, GLUE data, metrics and classifier) ----

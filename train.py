@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 import torch.nn as nn
-from torch.nn import functional as F
 
 import attention
 from attention import UsageError
@@ -614,11 +613,7 @@ class Classifier(nn.Module):
         h, _ = self.model.hidden_states(idx)                    # (B, T, C); causal
         last = attention_mask.long().sum(1).clamp(min=1) - 1   # each row's last real token
         logits = self.head(h[torch.arange(idx.size(0), device=idx.device), last])
-        if labels is None:
-            return logits, None
-        if self.num_labels == 1:   # regression
-            return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
-        return logits, F.cross_entropy(logits.float(), labels.long())
+        return M.classification_loss(logits, labels)
 
 @torch.no_grad()
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
