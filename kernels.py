@@ -172,18 +172,6 @@ if HAS_TRITON:
                  x.to(ptr.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
 
     @triton.jit
-    def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-        """One program's block of a state: S_IN[offs_f, offs_d] (BF, BD) and Z_IN[offs_f] (BF,),
-        fp32; zeros where S_IN is None."""
-        S = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)
-        z = tl.zeros((BLOCK_F,), dtype=tl.float32)
-        if S_IN is not None:
-            S = _tile(S_IN, offs_f, offs_d, D, 1, mask_f, mask_d)
-            z = tl.load(Z_IN + offs_f, mask=mask_f, other=0.)
-        return S, z
-
-    @triton.jit
     def _store_state(S_OUT, Z_OUT, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d):
         """Store one program's block of a state (S_OUT (F, D) in its own dtype); z from the first
         value block only."""
@@ -231,10 +219,12 @@ if HAS_TRITON:
         M = M + i_bh * T
         STATES = STATES + i_bh * NT * F * D
         ZS = ZS + i_bh * NT * F
+        # this program's block of the state, (BF, BD) and (BF,) fp32 (zeros where S_IN is None)
+        S = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)
+        z = tl.zeros((BLOCK_F,), dtype=tl.float32)
         if S_IN is not None:
-            S_IN = S_IN + i_bh * F * D
-            Z_IN = Z_IN + i_bh * F
-        S, z = _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
+            S = _tile(S_IN + i_bh * F * D, offs_f, offs_d, D, 1, mask_f, mask_d)
+            z = tl.load(Z_IN + i_bh * F + offs_f, mask=mask_f, other=0.)
 
         for i in range(0, NT):
             j = NT - 1 - i if BACKWARD else i
@@ -261,14 +251,16 @@ if HAS_TRITON:
                          mask_f, mask_d, i_d)
 
     @triton.jit
-    def _chunk(T, MB, i_bh, BLOCK_T: tl.constexpr):
-        """Chunk j = program_id(0) of (batch x head) i_bh: its rows, their mask, M_{j-1} (the
-        running max before it, m_0 for j = 0, in chunk j's units: M_j = 0) and the index st of its
-        state in STATES (B*H, NT, ...), and of its M_{j-1} in MB (B*H, NT)."""
+    def _chunk(T, MB, BLOCK_T: tl.constexpr):
+        """This program's (batch x head) i_bh = program_id(1) and chunk j = program_id(0): i_bh,
+        the chunk's rows, their mask, M_{j-1} (the running max before it, m_0 for j = 0, in chunk
+        j's units: M_j = 0) and the index st of its state in STATES (B*H, NT, ...), and of its
+        M_{j-1} in MB (B*H, NT)."""
+        i_bh = tl.program_id(1).to(tl.int64)
         j = tl.program_id(0)
         rows = j * BLOCK_T + tl.arange(0, BLOCK_T)
         st = i_bh * tl.cdiv(T, BLOCK_T) + j
-        return rows, rows < T, tl.load(MB + st), st
+        return i_bh, rows, rows < T, tl.load(MB + st), st
 
     @triton.jit
     def _shifts(C, M, i_bh, T, rows, mask_t):
@@ -289,9 +281,8 @@ if HAS_TRITON:
         """y of one chunk and value block: A = q k^T e^(c_s - m_t) (s <= t), y = (A v + q S r) /
         (rowsum(A) + q.z r + eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A
         and q S accumulated over feature blocks."""
-        i_bh = tl.program_id(1).to(tl.int64)
+        i_bh, rows, mask_t, m_before, st = _chunk(T, MB, BLOCK_T)
         i_d = tl.program_id(2)
-        rows, mask_t, m_before, st = _chunk(T, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q = Q + i_bh * T * F
@@ -342,9 +333,8 @@ if HAS_TRITON:
             dk^T = q^T G + (dS v^T + dz) e^(c_s - M_j);
         program = (chunk, bh, feature block), G and the state terms accumulated over value
         blocks."""
-        i_bh = tl.program_id(1).to(tl.int64)
+        i_bh, rows, mask_t, m_before, st = _chunk(T, MB, BLOCK_T)
         i_f = tl.program_id(2)
-        rows, mask_t, m_before, st = _chunk(T, MB, i_bh, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = offs_f < F
         V = V + i_bh * T * D
@@ -397,9 +387,8 @@ if HAS_TRITON:
         """dv = P^T g + k dS e^(c_s - M_j) for one chunk and value block, P^T_st = k_s . q_t e^(c_s
         - m_t) (s <= t); program = (chunk, bh, value block), P^T and k dS accumulated over feature
         blocks."""
-        i_bh = tl.program_id(1).to(tl.int64)
+        i_bh, rows, mask_t, _, st = _chunk(T, MB, BLOCK_T)
         i_d = tl.program_id(2)
-        rows, mask_t, _, st = _chunk(T, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q = Q + i_bh * T * F
@@ -782,13 +771,14 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     shifted = c_k is not None or len(initial_state or ()) > 2
+    heads = phi_q.shape[:2]   # (B, H)
     if initial_state is None:   # no state: no key yet
         S0 = None
         z0 = None
-        m0 = phi_q.new_full(phi_q.shape[:2], NO_KEY, dtype=torch.float32)
+        m0 = phi_q.new_full(heads, NO_KEY, dtype=torch.float32)
     else:
         S0, z0 = initial_state[:2]
-        m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(phi_q.shape[:2])
+        m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(heads)
     c = phi_q.new_zeros(phi_q.shape[:3]) if c_k is None else c_k
     c, m, MB, m_end = _rebased(c, m0, phi_q.shape[2], chunk_size)
     with _on_device(v):
@@ -796,7 +786,7 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
                                           bool(return_state), int(chunk_size), allow_tf32)
     if not return_state:
         return out
-    return out[0], (*out[1:], m_end.view(phi_q.shape[:2])) if shifted else out[1:]
+    return out[0], (*out[1:], m_end.view(heads)) if shifted else out[1:]
 
 # ---- the benchmark (python kernels.py, CUDA) ---------------------------------------------------
 def _benchmark(B, H, Ts, F, D, dt):
