@@ -73,13 +73,13 @@ def load(args, causal_for=None, with_tokenizer=True):
         raise UsageError('this report needs --ckpt (a checkpoint from train.py/convert.py, '
                          'an HF folder or hub name)')
     model, extra = load_model(args.ckpt, args.device, args.attn)
+    block_size = model.config.block_size
     if causal_for and model.config.family == 'bert':
         raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
-    if args.context > model.config.block_size:
-        raise UsageError(f'--context {args.context} > model block_size {model.config.block_size}')
-    if causal_for == 'generate' and args.max_new_tokens > model.config.block_size:
-        raise UsageError(
-            f'--max_new_tokens {args.max_new_tokens} > model block_size {model.config.block_size}')
+    if args.context > block_size:
+        raise UsageError(f'--context {args.context} > model block_size {block_size}')
+    if causal_for == 'generate' and args.max_new_tokens > block_size:
+        raise UsageError(f'--max_new_tokens {args.max_new_tokens} > model block_size {block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 def load_text(data):

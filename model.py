@@ -232,7 +232,7 @@ class SelfAttention(nn.Module):
         if return_state:   # the core's state, and the conv's last K-1 inputs
             state = LayerState(y[1], conv_past)
             y = y[0]
-        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, nh, T, hs) -> (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, nh * hs)            # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
 
 def make_core(config, spec):
