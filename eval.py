@@ -58,7 +58,7 @@ def load_model(ckpt, device='cpu', attn=''):
     """(model, extra) by model.load (with attention `attn` if given), its error in one line."""
     try:
         m, extra = M.load(ckpt, **({'attn': attn} if attn else {}))
-    except (UsageError, tokenizer.TokenizerError, OSError) as e:
+    except train.USER_ERRORS as e:
         # a UsageError names the problem; other errors are named by their type
         why = '' if isinstance(e, UsageError) else f'{type(e).__name__}: '
         raise UsageError(
@@ -1131,7 +1131,7 @@ def main(argv=None):
         res = {'report': args.report, **globals()['report_' + args.report](args)}
     except SystemExit as e:   # parse_config printed its one line
         return e.code
-    except (UsageError, tokenizer.TokenizerError, OSError) as e:
+    except train.USER_ERRORS as e:
         # one line (a bug, any other exception, keeps its traceback)
         print(f"eval.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         return 2
