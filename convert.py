@@ -745,7 +745,7 @@ def main(argv=None):
         cfg, _ = train.parse_config(ConvertConfig, argv, __doc__)
         print(report([d for d in cfg.report.split(',') if d])) if cfg.report else run(cfg)
         return 0
-    except (UsageError, train.tokenizer_lib.TokenizerError, OSError) as e:
+    except train.USER_ERRORS as e:
         # the user's error in one line (a bug keeps its traceback)
         print(f"convert.py: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

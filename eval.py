@@ -58,7 +58,7 @@ def load_model(ckpt, device='cpu', attn=''):
     """(model, extra) by model.load (with attention `attn` if given), its error in one line."""
     try:
         m, extra = M.load(ckpt, **({'attn': attn} if attn else {}))
-    except (UsageError, tokenizer.TokenizerError, OSError) as e:
+    except train.USER_ERRORS as e:
         # a UsageError names the problem; other errors are named by their type
         why = '' if isinstance(e, UsageError) else f'{type(e).__name__}: '
         raise UsageError(
@@ -73,13 +73,13 @@ def load(args, causal_for=None, with_tokenizer=True):
         raise UsageError('this report needs --ckpt (a checkpoint from train.py/convert.py, '
                          'an HF folder or hub name)')
     model, extra = load_model(args.ckpt, args.device, args.attn)
+    block_size = model.config.block_size
     if causal_for and model.config.family == 'bert':
         raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
-    if args.context > model.config.block_size:
-        raise UsageError(f'--context {args.context} > model block_size {model.config.block_size}')
-    if causal_for == 'generate' and args.max_new_tokens > model.config.block_size:
-        raise UsageError(
-            f'--max_new_tokens {args.max_new_tokens} > model block_size {model.config.block_size}')
+    if args.context > block_size:
+        raise UsageError(f'--context {args.context} > model block_size {block_size}')
+    if causal_for == 'generate' and args.max_new_tokens > block_size:
+        raise UsageError(f'--max_new_tokens {args.max_new_tokens} > model block_size {block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 def load_text(data):
@@ -100,7 +100,7 @@ def capture_qk(model, idx, teacher=False):
 
     teacher=True: those of the softmax teacher's pass."""
     with model.capture_qkv(teacher=teacher) as rec:
-        model.encode(idx) if model.config.family == 'bert' else model(idx)
+        model(idx)   # (a Bert's forward: its encoder)
     return [tuple(t.float().cpu() for t in rec[i][:2]) for i in sorted(rec)]   # (q, k)
 
 # ---- perplexity and GLUE (train.py's perplexity, GLUE data, metrics and classifier) ----
@@ -1131,7 +1131,7 @@ def main(argv=None):
         res = {'report': args.report, **globals()['report_' + args.report](args)}
     except SystemExit as e:   # parse_config printed its one line
         return e.code
-    except (UsageError, tokenizer.TokenizerError, OSError) as e:
+    except train.USER_ERRORS as e:
         # one line (a bug, any other exception, keeps its traceback)
         print(f"eval.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 """
-Causal linear attention in Triton: the naive reference, five kernels in five launches, the autograd
-wrapper; the fused decode step (one token of a layer in one launch, decode_step; its reference:
-hybrids' Linear.step and Window.step); a CUDA benchmark (where the time goes on an H100:
-docs/RESULTS.md 16.6).
+Causal linear attention in Triton: the naive reference, four kernels in five launches (one
+sequential pass, forward or backward), the autograd wrapper; the fused decode step (one token of a
+layer in one launch, decode_step; its reference: hybrids' Linear.step and Window.step); a CUDA
+benchmark (where the time goes on an H100: docs/RESULTS.md 16.6).
 
 What it computes. Given feature-mapped queries and keys phi_q, phi_k (B, H, T, F) and values v (B,
 H, T, D):
@@ -20,10 +20,11 @@ quadratic in T.
 Design: flash-linear-attention's two-pass chunk form. Time is cut into chunks of BLOCK_T = 64 rows,
 NT = T / 64 of them; M_j is the running max at chunk j's last row (M_-1 = m_0), known beforehand (a
 cummax in PyTorch, where each chunk's shifts and maxes are rebased to its own M_j: float64 shifts as
-large as a decay's keep their precision). A sequential pass writes the state every chunk starts
-from; the attention inside the chunks and the outputs then run in parallel over (chunk, batch x
-head, block). Per chunk j (rows t, keys s of the chunk; S_j, z_j: the state before it, in units
-exp(-M_j-1); r_t = exp(M_j-1 - m_t)):
+large as a decay's keep their precision; in those units M_j = 0, so the kernels read only
+M_j-1 - M_j). A sequential pass writes the state every chunk starts from; the attention inside the
+chunks and the outputs then run in parallel over (chunk, batch x head, block). Per chunk j (rows
+t, keys s of the chunk; S_j, z_j: the state before it, in units exp(-M_j-1); r_t = exp(M_j-1 -
+m_t)):
 
     A    = q k^T exp(c_s - m_t), masked to s <= t     (BLOCK_T, BLOCK_T)  fp32 accumulation
     num  = A v + q S_j r                              (BLOCK_T, BLOCK_D)  intra- + inter-chunk
@@ -35,12 +36,12 @@ The denominator comes from the same A and z, not from a separate pass (where pub
 silent gradient bugs). The launches (B*H = BH; in brackets the grids at B=1, H=12, T=32K, F=128,
 D=64, bf16):
 
-    fwd state   _fwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores
+    fwd state   _state_kernel      (BH, F/BF, D/BD) (12, 4, 2): walks the chunks forward, stores
                                    S_j, z_j; holds its (BF, BD) = (32, 32) block of S in fp32
     fwd out     _fwd_kernel        (NT, BH, D/BD) (512, 12, 1): y and 1/den of one chunk; holds
                                    A, q S_j (BT, BD), accumulated over feature blocks of 64
-    (backward)  _fwd_state_kernel  'fwd state' again: the states are recomputed, not saved
-    bwd dstate  _bwd_state_kernel  (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores
+    (backward)  _state_kernel      'fwd state' again: the states are recomputed, not saved
+    bwd dstate  _state_kernel      (BH, F/BF, D/BD) (12, 4, 2): walks the chunks backward, stores
                                    dS, dz after each chunk; holds its (32, 32) block of dS in fp32
     bwd dqk     _bwd_dqk_kernel    (NT, BH, F/BF) (512, 12, 2): dq, dk of one chunk and feature
                                    block of 64; holds G (BT, BT), dq (BT, BF), dk^T (BF, BT),
@@ -164,105 +165,43 @@ if HAS_TRITON:
                        mask=mask_r[:, None] & mask_c[None, :], other=0.)
 
     @triton.jit
-    def _maxes(M, MB, T, j, BLOCK_T: tl.constexpr):
-        """M_{j-1} and M_j: the running max before chunk j (m_0 for j = 0) and at its last row, in
-        chunk j's units; M: one head's (T,), MB: its (NT,) M_{j-1}."""
-        m_after = tl.load(M + tl.minimum(j * BLOCK_T + BLOCK_T, T) - 1)
-        return tl.load(MB + j), m_after
-
-    @triton.jit
-    def _load_state(S_IN, Z_IN, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-        """One program's block of a state: S_IN[offs_f, offs_d] (BF, BD) and Z_IN[offs_f] (BF,),
-        fp32; zeros where S_IN is None."""
-        S = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)
-        z = tl.zeros((BLOCK_F,), dtype=tl.float32)
-        if S_IN is not None:
-            S = _tile(S_IN, offs_f, offs_d, D, 1, mask_f, mask_d)
-            z = tl.load(Z_IN + offs_f, mask=mask_f, other=0.)
-        return S, z
+    def _put(ptr, rows, cols, stride_r, stride_c, mask_r, mask_c, x):
+        """Store x, in ptr's dtype, as the tile ptr[rows, cols] (_tile's layout) where not
+        masked."""
+        tl.store(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c,
+                 x.to(ptr.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
 
     @triton.jit
     def _store_state(S_OUT, Z_OUT, S, z, offs_f, offs_d, D, mask_f, mask_d, i_d):
         """Store one program's block of a state (S_OUT (F, D) in its own dtype); z from the first
         value block only."""
-        S_OUT = S_OUT + offs_f[:, None] * D + offs_d[None, :]
-        tl.store(S_OUT, S.to(S_OUT.dtype.element_ty), mask=mask_f[:, None] & mask_d[None, :])
+        _put(S_OUT, offs_f, offs_d, D, 1, mask_f, mask_d, S)
         if i_d == 0:
             tl.store(Z_OUT + offs_f, z, mask=mask_f)
 
     @triton.jit
-    def _fwd_state_kernel(
-        K, V,                 # (B*H, T, F), (B*H, T, D)
-        C, M, MB,             # (B*H, T) key shifts, the rows' running max, (B*H, NT) M_{j-1}
+    def _state_kernel(
+        X, Y,                 # (B*H, T, F), (B*H, T, D): forward k, v; backward q, dy
+        C, M, MB,             # (B*H, T) key shifts (forward), the rows' running max, (B*H, NT)
+                              # M_{j-1}
+        RDEN, DELTA,          # (B*H, T) 1/den, dy.y (backward)
         STATES, ZS,           # out (B*H, NT, F, D), (B*H, NT, F): the state before each chunk
-        S_INIT, Z_INIT,       # (B*H, F, D), (B*H, F) fp32: the initial state, or None
-        S_END, Z_END,         # (B*H, F, D), (B*H, F) fp32 out: the final state, or None
+                              # (forward), its gradient after each chunk (backward)
+        S_IN, Z_IN,           # (B*H, F, D), (B*H, F) fp32: the initial state (forward), the
+                              # gradient reaching the final state (backward), or None
+        S_OUT, Z_OUT,         # (B*H, F, D), (B*H, F) fp32 out: the final state (forward), the
+                              # initial state's gradient (backward), or None
         T, F, D,
         BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        BF16: tl.constexpr, PRECISION: tl.constexpr,
+        BF16: tl.constexpr, PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
     ):
-        """The forward's sequential pass, chunks j = 0 .. NT-1, one program per (bh, feature block,
-        value block), its block of the state in fp32 registers. STATES[j] = the state before chunk
+        """A sequential pass, one program per (bh, feature block, value block), its block of the
+        state in fp32 registers. Forward, chunks j = 0 .. NT-1: STATES[j] = the state before chunk
         j, in units exp(-M_{j-1}); then
             S <- S e^(M_{j-1} - M_j) + sum_s k_s (v_s e^(c_s - M_j))^T,
-        z likewise with k_s alone."""
-        i_bh = tl.program_id(0).to(tl.int64)
-        i_f = tl.program_id(1)
-        i_d = tl.program_id(2)
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
-        offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_f = offs_f < F
-        mask_d = offs_d < D
-        NT = tl.cdiv(T, BLOCK_T)
-        # this head's rows
-        K = K + i_bh * T * F
-        V = V + i_bh * T * D
-        C = C + i_bh * T
-        M = M + i_bh * T
-        STATES = STATES + i_bh * NT * F * D
-        ZS = ZS + i_bh * NT * F
-        if S_INIT is not None:
-            S_INIT = S_INIT + i_bh * F * D
-            Z_INIT = Z_INIT + i_bh * F
-        S, z = _load_state(S_INIT, Z_INIT, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
-
-        for j in range(0, NT):
-            _store_state(STATES + j * F * D, ZS + j * F, S, z, offs_f, offs_d, D,
-                         mask_f, mask_d, i_d)
-            rows = j * BLOCK_T + offs_t
-            mask_t = rows < T
-            m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
-            kT = _tile(K, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
-            v = _tile(V, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
-            w = tl.exp(tl.load(C + rows, mask=mask_t, other=-1e30) - m_after)   # (BT,) key s's
-                                                                                # factor
-            # the state's new units
-            decay = tl.exp(m_before - m_after)
-            S = S * decay + _dot(kT, v * w[:, None], BF16, PRECISION)           # (BF, BD)
-            z = z * decay + tl.sum(kT.to(tl.float32) * w[None, :], axis=1)      # (BF,)
-        if S_END is not None:
-            _store_state(S_END + i_bh * F * D, Z_END + i_bh * F, S, z, offs_f, offs_d, D,
-                         mask_f, mask_d, i_d)
-
-    @triton.jit
-    def _bwd_state_kernel(
-        Q, DY,                # (B*H, T, F), (B*H, T, D)
-        M, MB, RDEN, DELTA,   # (B*H, T) the rows' running max; (B*H, NT) M_{j-1}; 1/den, dy.y
-        DSTATES, DZS,         # out (B*H, NT, F, D), (B*H, NT, F): the state gradient after each
-                              # chunk
-        DS_END, DZ_END,       # (B*H, F, D), (B*H, F) fp32: the gradient reaching the final state,
-                              # or None
-        DS_INIT, DZ_INIT,     # (B*H, F, D), (B*H, F) fp32 out: the initial state's gradient, or
-                              # None
-        T, F, D,
-        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        BF16: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """The backward's sequential pass, chunks j = NT-1 .. 0, one program per (bh, feature block,
-        value block). DSTATES[j] = dS after chunk j, in units exp(-M_j); then, with g_t = dy_t /
-        den_t and r_t = -(dy_t . y_t) / den_t (dL/dnum and dL/dden of row t):
+        z likewise with k_s alone. Backward, chunks j = NT-1 .. 0: STATES[j] = dS after chunk j, in
+        units exp(-M_j); then, with g_t = dy_t / den_t and r_t = -(dy_t . y_t) / den_t (dL/dnum and
+        dL/dden of row t):
             dS <- dS e^(M_{j-1} - M_j) + sum_t q_t (g_t e^(M_{j-1} - m_t))^T,
         dz likewise with r_t."""
         i_bh = tl.program_id(0).to(tl.int64)
@@ -275,46 +214,53 @@ if HAS_TRITON:
         mask_d = offs_d < D
         NT = tl.cdiv(T, BLOCK_T)
         # this head's rows
-        Q = Q + i_bh * T * F
-        DY = DY + i_bh * T * D
+        X = X + i_bh * T * F
+        Y = Y + i_bh * T * D
         M = M + i_bh * T
-        RDEN = RDEN + i_bh * T
-        DELTA = DELTA + i_bh * T
-        DSTATES = DSTATES + i_bh * NT * F * D
-        DZS = DZS + i_bh * NT * F
-        if DS_END is not None:
-            DS_END = DS_END + i_bh * F * D
-            DZ_END = DZ_END + i_bh * F
-        dS, dz = _load_state(DS_END, DZ_END, offs_f, offs_d, D, mask_f, mask_d, BLOCK_F, BLOCK_D)
+        STATES = STATES + i_bh * NT * F * D
+        ZS = ZS + i_bh * NT * F
+        # this program's block of the state, (BF, BD) and (BF,) fp32 (zeros where S_IN is None)
+        S = tl.zeros((BLOCK_F, BLOCK_D), dtype=tl.float32)
+        z = tl.zeros((BLOCK_F,), dtype=tl.float32)
+        if S_IN is not None:
+            S = _tile(S_IN + i_bh * F * D, offs_f, offs_d, D, 1, mask_f, mask_d)
+            z = tl.load(Z_IN + i_bh * F + offs_f, mask=mask_f, other=0.)
 
         for i in range(0, NT):
-            j = NT - 1 - i
-            _store_state(DSTATES + j * F * D, DZS + j * F, dS, dz, offs_f, offs_d, D,
+            j = NT - 1 - i if BACKWARD else i
+            _store_state(STATES + j * F * D, ZS + j * F, S, z, offs_f, offs_d, D,
                          mask_f, mask_d, i_d)
             rows = j * BLOCK_T + offs_t
             mask_t = rows < T
-            m_before, m_after = _maxes(M, MB + i_bh * NT, T, j, BLOCK_T)
-            qT = _tile(Q, offs_f, rows, 1, F, mask_f, mask_t)                      # (BF, BT)
-            dy = _tile(DY, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
-            # (BT,) row t's factor
-            w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))
-            g_w = w * tl.load(RDEN + rows, mask=mask_t, other=0.)                 # (BT,)
-            r_w = -g_w * tl.load(DELTA + rows, mask=mask_t, other=0.)             # (BT,)
-            decay = tl.exp(m_before - m_after)
-            dS = dS * decay + _dot(qT, dy * g_w[:, None], BF16, PRECISION)         # (BF, BD)
-            dz = dz * decay + tl.sum(qT.to(tl.float32) * r_w[None, :], axis=1)    # (BF,)
-        if DS_INIT is not None:
-            _store_state(DS_INIT + i_bh * F * D, DZ_INIT + i_bh * F, dS, dz, offs_f, offs_d, D,
+            m_before = tl.load(MB + i_bh * NT + j)   # M_{j-1} in chunk j's units (M_j = 0)
+            xT = _tile(X, offs_f, rows, 1, F, mask_f, mask_t)                    # (BF, BT)
+            y = _tile(Y, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)     # (BT, BD)
+            if BACKWARD:   # (BT,) row t's factor, times g_t's 1/den_t (for dS), and r_t's (dz)
+                w = tl.exp(m_before - tl.load(M + rows, mask=mask_t, other=1e30))
+                w = w * tl.load(RDEN + i_bh * T + rows, mask=mask_t, other=0.)
+                w_z = -w * tl.load(DELTA + i_bh * T + rows, mask=mask_t, other=0.)
+            else:   # (BT,) key s's factor, for S and z alike
+                w = tl.exp(tl.load(C + i_bh * T + rows, mask=mask_t, other=-1e30))
+                w_z = w
+            # the state's new units
+            decay = tl.exp(m_before)
+            S = S * decay + _dot(xT, y * w[:, None], BF16, PRECISION)           # (BF, BD)
+            z = z * decay + tl.sum(xT.to(tl.float32) * w_z[None, :], axis=1)    # (BF,)
+        if S_OUT is not None:
+            _store_state(S_OUT + i_bh * F * D, Z_OUT + i_bh * F, S, z, offs_f, offs_d, D,
                          mask_f, mask_d, i_d)
 
     @triton.jit
-    def _chunk(T, M, MB, i_bh, BLOCK_T: tl.constexpr):
-        """Chunk j = program_id(0) of (batch x head) i_bh: its rows, their mask, M_{j-1} and M_j,
-        and the index of its state in STATES (B*H, NT, ...)."""
+    def _chunk(T, MB, BLOCK_T: tl.constexpr):
+        """This program's (batch x head) i_bh = program_id(1) and chunk j = program_id(0): i_bh,
+        the chunk's rows, their mask, M_{j-1} (the running max before it, m_0 for j = 0, in chunk
+        j's units: M_j = 0) and the index st of its state in STATES (B*H, NT, ...), and of its
+        M_{j-1} in MB (B*H, NT)."""
+        i_bh = tl.program_id(1).to(tl.int64)
         j = tl.program_id(0)
         rows = j * BLOCK_T + tl.arange(0, BLOCK_T)
-        m_before, m_after = _maxes(M + i_bh * T, MB + i_bh * tl.cdiv(T, BLOCK_T), T, j, BLOCK_T)
-        return rows, rows < T, m_before, m_after, i_bh * tl.cdiv(T, BLOCK_T) + j
+        st = i_bh * tl.cdiv(T, BLOCK_T) + j
+        return i_bh, rows, rows < T, tl.load(MB + st), st
 
     @triton.jit
     def _shifts(C, M, i_bh, T, rows, mask_t):
@@ -335,9 +281,8 @@ if HAS_TRITON:
         """y of one chunk and value block: A = q k^T e^(c_s - m_t) (s <= t), y = (A v + q S r) /
         (rowsum(A) + q.z r + eps), r_t = e^(M_{j-1} - m_t); program = (chunk, bh, value block), A
         and q S accumulated over feature blocks."""
-        i_bh = tl.program_id(1).to(tl.int64)
+        i_bh, rows, mask_t, m_before, st = _chunk(T, MB, BLOCK_T)
         i_d = tl.program_id(2)
-        rows, mask_t, m_before, _, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q = Q + i_bh * T * F
@@ -367,17 +312,15 @@ if HAS_TRITON:
         num = _dot(A, v, BF16, PRECISION) + qS * r[:, None]
         den = tl.sum(A, axis=1) + qz * r + eps                         # (BT,) fp32
         rden = (den > 0).to(tl.float32) / tl.where(den > 0, den, 1.)   # 0 / 0 -> 0
-        y = (num * rden[:, None]).to(Y.dtype.element_ty)
-        tl.store(Y + i_bh * T * D + rows[:, None] * D + offs_d[None, :], y,
-                 mask=mask_t[:, None] & mask_d[None, :])
+        _put(Y + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d, num * rden[:, None])   # y
         if i_d == 0:
             tl.store(RDEN + i_bh * T + rows, rden, mask=mask_t)
 
     @triton.jit
     def _bwd_dqk_kernel(
         Q, K, V, DY, RDEN, DELTA,  # (B*H, T, F) twice, (B*H, T, D) twice, (B*H, T) twice
-        STATES, ZS,                # the state before each chunk (_fwd_state_kernel)
-        DSTATES, DZS,              # its gradient after each chunk (_bwd_state_kernel)
+        STATES, ZS,                # the state before each chunk ('fwd state')
+        DSTATES, DZS,              # its gradient after each chunk ('bwd dstate')
         C, M, MB,                  # key shifts, the rows' running max, M_{j-1} (as the forward)
         DQ, DK,                    # out (B*H, T, F), in phi_q's and phi_k's dtype
         T, F, D,
@@ -390,9 +333,8 @@ if HAS_TRITON:
             dk^T = q^T G + (dS v^T + dz) e^(c_s - M_j);
         program = (chunk, bh, feature block), G and the state terms accumulated over value
         blocks."""
-        i_bh = tl.program_id(1).to(tl.int64)
+        i_bh, rows, mask_t, m_before, st = _chunk(T, MB, BLOCK_T)
         i_f = tl.program_id(2)
-        rows, mask_t, m_before, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_f = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = offs_f < F
         V = V + i_bh * T * D
@@ -425,14 +367,12 @@ if HAS_TRITON:
         k = _tile(K + i_bh * T * F, rows, offs_f, F, 1, mask_t, mask_f)    # (BT, BF)
         dq_state = (dq * rden[:, None] + r[:, None] * z[None, :]) * tl.exp(m_before - m)[:, None]
         dq = _dot(G, k, BF16, PRECISION) + dq_state
-        tl.store(DQ + i_bh * T * F + rows[:, None] * F + offs_f[None, :],
-                 dq.to(DQ.dtype.element_ty), mask=mask_t[:, None] & mask_f[None, :])
+        _put(DQ + i_bh * T * F, rows, offs_f, F, 1, mask_t, mask_f, dq)
 
         dz = tl.load(DZS + st * F + offs_f, mask=mask_f, other=0.)         # (BF,)
         qT = _tile(Q + i_bh * T * F, offs_f, rows, 1, F, mask_f, mask_t)   # (BF, BT)
-        dkT = _dot(qT, G, BF16, PRECISION) + (dkT + dz[:, None]) * tl.exp(c - m_after)[None, :]
-        tl.store(DK + i_bh * T * F + rows[None, :] * F + offs_f[:, None],
-                 dkT.to(DK.dtype.element_ty), mask=mask_f[:, None] & mask_t[None, :])
+        dkT = _dot(qT, G, BF16, PRECISION) + (dkT + dz[:, None]) * tl.exp(c)[None, :]
+        _put(DK + i_bh * T * F, offs_f, rows, 1, F, mask_f, mask_t, dkT)   # dk, transposed
 
     @triton.jit
     def _bwd_dv_kernel(
@@ -447,9 +387,8 @@ if HAS_TRITON:
         """dv = P^T g + k dS e^(c_s - M_j) for one chunk and value block, P^T_st = k_s . q_t e^(c_s
         - m_t) (s <= t); program = (chunk, bh, value block), P^T and k dS accumulated over feature
         blocks."""
-        i_bh = tl.program_id(1).to(tl.int64)
+        i_bh, rows, mask_t, _, st = _chunk(T, MB, BLOCK_T)
         i_d = tl.program_id(2)
-        rows, mask_t, _, m_after, st = _chunk(T, M, MB, i_bh, BLOCK_T)
         offs_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         Q = Q + i_bh * T * F
@@ -471,9 +410,8 @@ if HAS_TRITON:
         rden = tl.load(RDEN + i_bh * T + rows, mask=mask_t, other=0.)
         dy = _tile(DY + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d).to(tl.float32)
         g = dy * rden[:, None]                                             # (BT, BD)
-        dv = _dot(PT, g, BF16, PRECISION) + kdS * tl.exp(c - m_after)[:, None]
-        tl.store(DV + i_bh * T * D + rows[:, None] * D + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+        dv = _dot(PT, g, BF16, PRECISION) + kdS * tl.exp(c)[:, None]
+        _put(DV + i_bh * T * D, rows, offs_d, D, 1, mask_t, mask_d, dv)
 
 # ---- launch and autograd ----------------------------------------------------
 # (BLOCK_F, BLOCK_D, num_warps) of the sequential passes, of 'fwd out' and 'bwd dv', and of 'bwd
@@ -498,9 +436,9 @@ def _launches(BH, T, F, D, chunk, cfg):
     nt = triton.cdiv(T, chunk)
     seq_grid = (BH, triton.cdiv(F, seq['BLOCK_F']), triton.cdiv(D, seq['BLOCK_D']))
     out_grid = (nt, BH, triton.cdiv(D, out['BLOCK_D']))
-    return {'fwd state': (_fwd_state_kernel, seq_grid, seq),
+    return {'fwd state': (_state_kernel, seq_grid, dict(seq, BACKWARD=False)),
             'fwd out': (_fwd_kernel, out_grid, out),
-            'bwd dstate': (_bwd_state_kernel, seq_grid, seq),
+            'bwd dstate': (_state_kernel, seq_grid, dict(seq, BACKWARD=True)),
             'bwd dqk': (_bwd_dqk_kernel, (nt, BH, triton.cdiv(F, dqk['BLOCK_F'])), dqk),
             'bwd dv': (_bwd_dv_kernel, out_grid, out)}
 
@@ -518,15 +456,14 @@ def _launch(launches, name, *args):
 
 def _chunk_states(x, T, F, D, chunk, cfg):
     """Empty per-chunk states (B*H, NT, F, D) and their z (B*H, NT, F) (dtypes: Memory above)."""
-    nt = triton.cdiv(T, chunk)
     dt = torch.bfloat16 if cfg['BF16'] else torch.float32
-    return x.new_empty(x.shape[0], nt, F, D, dtype=dt), x.new_empty(x.shape[0], nt, F,
-                                                                    dtype=torch.float32)
+    return _new_state(x, F, D, triton.cdiv(T, chunk), dtype=dt)
 
-def _new_state(x, F, D):
-    """An empty fp32 state (S (B*H, F, D), z (B*H, F)) beside x (B*H, ...)."""
-    return x.new_empty(x.shape[0], F, D, dtype=torch.float32), x.new_empty(x.shape[0], F,
-                                                                           dtype=torch.float32)
+def _new_state(x, F, D, *nt, dtype=torch.float32):
+    """An empty state S (B*H, *nt, F, D) in dtype, z (B*H, *nt, F) fp32, beside x (B*H, ...): one
+    fp32 state, or one per chunk (nt chunks)."""
+    S = x.new_empty(x.shape[0], *nt, F, D, dtype=dtype)
+    return S, x.new_empty(x.shape[0], *nt, F, dtype=torch.float32)
 
 def _on_device(x):
     """Launch on x's GPU (a no-op on the CPU)."""
@@ -549,9 +486,8 @@ def _rebased(c, m0, T, chunk):
     M = torch.cat([last, m[:, -1:]], 1) if T % chunk else last            # (BH, NT): M_j
     M_before = torch.cat([m0[:, None].detach(), M[:, :-1]], 1) - M
     units = M.repeat_interleave(chunk, 1)[:, :T]
-    return (c - units).float(), (m
-                                 - units).float().contiguous(), M_before.float().contiguous(), m[:,
-                                                                                                 -1]
+    m_units = (m - units).float().contiguous()                            # 0 at each chunk's end
+    return (c - units).float(), m_units, M_before.float().contiguous(), m[:, -1]
 
 class CausalLinearAttention(torch.autograd.Function):
     """apply(phi_q, phi_k, v, S0, z0, c, m, MB, eps, return_state, chunk_size, allow_tf32) -> y, or
@@ -578,7 +514,8 @@ class CausalLinearAttention(torch.autograd.Function):
         y = torch.empty_like(vv)
         rden = q.new_empty(B * H, T, dtype=torch.float32)
         S_end, z_end = _new_state(q, F, D) if return_state else (None, None)
-        _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, S_end, z_end, T, F, D)
+        _launch(launches, 'fwd state', k, vv, c, m, MB, None, None, states, zs, S0, z0, S_end,
+                z_end, T, F, D)
         _launch(launches, 'fwd out', q, k, vv, y, rden, states, zs, c, m, MB, T, F, D, float(eps))
         del states, zs   # the backward recomputes them
         ctx.save_for_backward(q, k, vv, y, rden, S0, z0, c, m, MB)
@@ -593,10 +530,11 @@ class CausalLinearAttention(torch.autograd.Function):
     def backward(ctx, dy, dS_end=None, dz_end=None):
         q, k, vv, y, rden, S0, z0, c, m, MB = ctx.saved_tensors
         B, H, T, F, D, chunk, cfg = ctx.cfg
-        dy = torch.zeros_like(vv) if dy is None else dy.to(vv.dtype).reshape(vv.shape).contiguous()
-        if dS_end is not None or dz_end is not None:   # the one not used downstream: zeros
-            dS_end = _rows(q.new_zeros(B * H, F, D) if dS_end is None else dS_end, F, D)
-            dz_end = _rows(q.new_zeros(B * H, F) if dz_end is None else dz_end, F)
+        # (autograd gives zeros for an output not used downstream: materialize_grads)
+        dy = dy.to(vv.dtype).reshape(vv.shape).contiguous()
+        if dS_end is not None:   # return_state: the gradients reaching the final state
+            dS_end = _rows(dS_end, F, D)
+            dz_end = _rows(dz_end, F)
         need_dinit = S0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
         with _on_device(q):   # dS_end, dz_end: the gradients reaching the final state, or None
             delta = (dy.float() * y.float()).sum(-1)                           # (BH, T) dy_t . y_t
@@ -605,8 +543,9 @@ class CausalLinearAttention(torch.autograd.Function):
             dstates, dzs = _chunk_states(q, T, F, D, chunk, cfg)
             dq, dk, dv = (torch.empty_like(x, dtype=dt) for x, dt in zip((q, k, vv), ctx.dtypes))
             dS0, dz0 = _new_state(q, F, D) if need_dinit else (None, None)   # fp32
-            _launch(launches, 'fwd state', k, vv, c, m, MB, states, zs, S0, z0, None, None, T, F, D)
-            _launch(launches, 'bwd dstate', q, dy, m, MB, rden, delta, dstates, dzs, dS_end,
+            _launch(launches, 'fwd state', k, vv, c, m, MB, None, None, states, zs, S0, z0, None,
+                    None, T, F, D)
+            _launch(launches, 'bwd dstate', q, dy, None, m, MB, rden, delta, dstates, dzs, dS_end,
                     dz_end, dS0, dz0, T, F, D)
             _launch(launches, 'bwd dqk', q, k, vv, dy, rden, delta, states, zs, dstates, dzs, c, m,
                     MB, dq, dk, T, F, D)
@@ -670,12 +609,9 @@ if HAS_TRITON:
         return e / total, c * 0.
 
     @triton.jit
-    def _ring_write(R, R2, x, new, offs_l, offs_d, D, inside):
-        """The slots R (L, D) with x (BD,) in the row where new, stored to R2 (R itself: in
-        place)."""
-        tile = tl.where(new, x[None, :], tl.load(R + offs_l[:, None] * D + offs_d[None, :],
-                                                 mask=inside, other=0.))
-        tl.store(R2 + offs_l[:, None] * D + offs_d[None, :], tile, mask=inside)
+    def _slots(R, x, new, offs_l, offs_d, D, L):
+        """The slots R (L, D) with x (BD,) in the row where new: (BL, BD), fp32."""
+        return tl.where(new, x[None, :], _tile(R, offs_l, offs_d, D, 1, offs_l < L, offs_d < D))
 
     @triton.jit
     def _fold(S, z, m, phi, c, v):
@@ -717,10 +653,13 @@ if HAS_TRITON:
         t_fold, k_fold = pos, _unrope(K + kv, offs_d, D, pos, INV_FREQ, NOPE)
         if WINDOW:   # the slots with this token written; the token leaving: t_fold, k_fold, v_out
             ring, slot = (b * (H // G) + j) * L * D, tl.where(pos < N, pos, N + pos % W)
-            new, inside = offs_l[:, None] == slot, (offs_l < L)[:, None] & mask_d[None, :]
+            new = offs_l[:, None] == slot
             p = tl.where(offs_l == slot, pos, tl.load(RP + offs_l, mask=offs_l < L, other=-1))
-            _ring_write(RK + ring, RK2 + ring, k, new, offs_l, offs_d, D, inside)
-            _ring_write(RV + ring, RV2 + ring, v, new, offs_l, offs_d, D, inside)
+            # the slots written to RK2, RV2 (RK, RV themselves: in place)
+            _put(RK2 + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d,
+                 _slots(RK + ring, k, new, offs_l, offs_d, D, L))
+            _put(RV2 + ring, offs_l, offs_d, D, 1, offs_l < L, mask_d,
+                 _slots(RV + ring, v, new, offs_l, offs_d, D, L))
             tl.store(RP2 + offs_l, p, mask=offs_l < L)
             leaving, t_fold = N + (pos + 1) % W, pos + 1 - W
             real = tl.load(RP + leaving) >= 0
@@ -737,14 +676,12 @@ if HAS_TRITON:
                 c_q, c_k = c_q - g * pos, c_k + g * t_fold
             if WINDOW:   # the softmax part first (the slots), then the linear state
                 q = tl.load(Q + row * D + offs_d, mask=mask_d, other=0.).to(tl.float32)
-                Kw = tl.where(new, k[None, :], _tile(RK + ring, offs_l, offs_d, D, 1,
-                                                     offs_l < L, mask_d))
+                Kw = _slots(RK + ring, k, new, offs_l, offs_d, D, L)
                 s = tl.where(p >= 0,
                              tl.sum(Kw * q[None, :], 1) / tl.sqrt(D.to(tl.float32)), -float('inf'))
                 a = tl.exp(s - tl.max(s, 0))                               # (BL,) the window's
                                                                            # weights
-                Vw = tl.where(new, v[None, :], _tile(RV + ring, offs_l, offs_d, D, 1,
-                                                     offs_l < L, mask_d))
+                Vw = _slots(RV + ring, v, new, offs_l, offs_d, D, L)
                 y_w = tl.sum(a[:, None] * Vw, 0) / tl.sum(a, 0)
             S_h = _tile(S + row * F * D, rows_f, offs_d, D, 1, mask_f, mask_d)
             z_h = tl.load(Z + row * F + rows_f, mask=mask_f, other=0.)
@@ -834,13 +771,14 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     shifted = c_k is not None or len(initial_state or ()) > 2
+    heads = phi_q.shape[:2]   # (B, H)
     if initial_state is None:   # no state: no key yet
         S0 = None
         z0 = None
-        m0 = phi_q.new_full(phi_q.shape[:2], NO_KEY, dtype=torch.float32)
+        m0 = phi_q.new_full(heads, NO_KEY, dtype=torch.float32)
     else:
         S0, z0 = initial_state[:2]
-        m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(phi_q.shape[:2])
+        m0 = initial_state[2] if len(initial_state) > 2 else phi_q.new_zeros(heads)
     c = phi_q.new_zeros(phi_q.shape[:3]) if c_k is None else c_k
     c, m, MB, m_end = _rebased(c, m0, phi_q.shape[2], chunk_size)
     with _on_device(v):
@@ -848,15 +786,16 @@ def causal_linear_attention(phi_q, phi_k, v, eps=0.0, initial_state=None, return
                                           bool(return_state), int(chunk_size), allow_tf32)
     if not return_state:
         return out
-    return out[0], (*out[1:], m_end.view(phi_q.shape[:2])) if shifted else out[1:]
+    return out[0], (*out[1:], m_end.view(heads)) if shifted else out[1:]
 
 # ---- the benchmark (python kernels.py, CUDA) ---------------------------------------------------
 def _benchmark(B, H, Ts, F, D, dt):
     """python kernels.py: median ms of the kernel, the naive reference, SDPA (and fla's chunk form
     where installed), forward and forward+backward, on CUDA."""
-    import importlib.util
-    fla = importlib.util.find_spec('fla') and importlib.import_module('fla.ops.linear_attn')
-    fla = fla and fla.chunk_linear_attn
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn as fla
+    except ImportError:   # not installed
+        fla = None
     print(f'B={B} H={H} F={F} D={D} {dt}: median ms (triton.testing.do_bench), fwd / fwd+bwd' + (
         '; fla: flash-linear-attention chunk_linear_attn(normalize=True), its (B, T, H, .) layout '
         'made untimed' if fla else ' (pip install flash-linear-attention adds its '

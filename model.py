@@ -232,7 +232,7 @@ class SelfAttention(nn.Module):
         if return_state:   # the core's state, and the conv's last K-1 inputs
             state = LayerState(y[1], conv_past)
             y = y[0]
-        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, nh, T, hs) -> (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, nh * hs)            # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
 
 def make_core(config, spec):
@@ -638,12 +638,16 @@ class Bert(Transformer):
         if self.config.num_labels <= 0:
             raise ValueError("classify() needs num_labels > 0 (load with num_labels=N)")
         pooled = self.pool(self(idx, attention_mask, token_type_ids))
-        logits = self.classifier(self.transformer.drop(pooled))
-        if labels is None:
-            return logits, None
-        if self.config.num_labels == 1:
-            return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
-        return logits, F.cross_entropy(logits.float(), labels.long())
+        return classification_loss(self.classifier(self.transformer.drop(pooled)), labels)
+
+def classification_loss(logits, labels=None):
+    """(logits (B, num_labels), their loss or None without labels): a regression's (one label)
+    MSE, else the cross-entropy."""
+    if labels is None:
+        return logits, None
+    if logits.size(-1) == 1:
+        return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
+    return logits, F.cross_entropy(logits.float(), labels.long())
 
 def build(config):
     return (Bert if config.family == 'bert' else GPT)(config)

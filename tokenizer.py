@@ -15,6 +15,7 @@ In reading order:
                                    # vocab_size; must fit
 """
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -145,16 +146,16 @@ class HFTokenizer(Tokenizer):
 
         From tokenizer_config.json, if any: do_lower_case, strip_accents, eos_token and the
         tokenizer's class (its name)."""
-        path = os.path.join(folder, '{}')
+        path = functools.partial(os.path.join, folder)   # path(name): the folder's file
         config = {}
-        if os.path.isfile(path.format('tokenizer_config.json')):
-            with open(path.format('tokenizer_config.json')) as f:
+        if os.path.isfile(path('tokenizer_config.json')):
+            with open(path('tokenizer_config.json')) as f:
                 config = json.load(f)
-        if os.path.isfile(path.format('tokenizer.json')):
-            tk = tokenizers.Tokenizer.from_file(path.format('tokenizer.json'))
-        elif os.path.isfile(path.format('vocab.txt')):
+        if os.path.isfile(path('tokenizer.json')):
+            tk = tokenizers.Tokenizer.from_file(path('tokenizer.json'))
+        elif os.path.isfile(path('vocab.txt')):
             tk = tokenizers.Tokenizer(
-                models.WordPiece.from_file(path.format('vocab.txt'), unk_token='[UNK]'))
+                models.WordPiece.from_file(path('vocab.txt'), unk_token='[UNK]'))
             tk.normalizer = normalizers.BertNormalizer(lowercase=config.get('do_lower_case', True),
                                                        strip_accents=config.get('strip_accents'))
             tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

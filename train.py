@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 import torch.nn as nn
-from torch.nn import functional as F
 
 import attention
 from attention import UsageError
@@ -50,6 +49,8 @@ EVAL_ITERS = 8                 # batches per split in estimate_loss
 N_TEST = 2000                  # associative recall test sequences, from seed + TEST_SEED_OFFSET:
 TEST_SEED_OFFSET = 1_000_003   # a stream disjoint from the training seed's
 INIT_STDS = {'wide': (0.08, 1.0), 'nanogpt': (0.02, 0.02)}   # scratch std: (Linear, embedding)
+# the errors a script reports in one line (exit status 2): the user's, not a bug (a traceback)
+USER_ERRORS = (UsageError, tokenizer_lib.TokenizerError, OSError)
 GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 = regression))
     'cola': (('sentence',), (), 2), 'sst2': (('sentence',), (), 2),
     'mrpc': (('sentence1', '#1 String'), ('sentence2', '#2 String'), 2),
@@ -614,11 +615,7 @@ class Classifier(nn.Module):
         h, _ = self.model.hidden_states(idx)                    # (B, T, C); causal
         last = attention_mask.long().sum(1).clamp(min=1) - 1   # each row's last real token
         logits = self.head(h[torch.arange(idx.size(0), device=idx.device), last])
-        if labels is None:
-            return logits, None
-        if self.num_labels == 1:   # regression
-            return logits, F.mse_loss(logits.squeeze(-1).float(), labels.float())
-        return logits, F.cross_entropy(logits.float(), labels.long())
+        return M.classification_loss(logits, labels)
 
 @torch.no_grad()
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
@@ -1108,7 +1105,7 @@ def main(argv=None):
     cfg, explicit = parse_config(TrainConfig, argv, __doc__)
     try:
         return compare(cfg, explicit) if cfg.compare else train(cfg, explicit)
-    except (NonFiniteLoss, UsageError, tokenizer_lib.TokenizerError, OSError) as e:
+    except (NonFiniteLoss, *USER_ERRORS) as e:
         # the user's error in one line (a bug keeps its traceback)
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(NONFINITE_EXIT if isinstance(e, NonFiniteLoss) else 2) from None

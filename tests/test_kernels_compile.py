@@ -32,9 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 QUICK = [(128, 64, 'bf16')]
 FULL = [(F, D, dt) for D in (32, 64, 128) for F in (D, 2 * D) for dt in ('bf16', 'fp16', 'fp32', 'fp32-tf32')]
-OPTIONAL = {'fwd state': ('S_INIT', 'Z_INIT', 'S_END', 'Z_END'),
-            'bwd dstate': ('DS_END', 'DZ_END', 'DS_INIT', 'DZ_INIT')}   # pointers that may be None
-OPERANDS = {'Q', 'K', 'V', 'Y', 'DY', 'DQ', 'DK', 'DV'}   # pointers in the operands' dtype (the states
+OPTIONAL = dict.fromkeys(('fwd state', 'bwd dstate'), ('S_IN', 'Z_IN', 'S_OUT', 'Z_OUT'))   # pointers that may be
+# None
+OPERANDS = {'Q', 'K', 'V', 'X', 'Y', 'DY', 'DQ', 'DK', 'DV'}   # pointers in the operands' dtype (the states
 # STATES, DSTATES: if bf16); the others fp32
 
 
