@@ -800,9 +800,18 @@ def delta_rule(phi_q, phi_k, v, gates, impl='chunked', chunk_size=64, S=None):
     return _delta_chunked(q, k, v, gates, S, chunk_size)
 
 # ---- 5. metrics and DoF's kernel loss ---------------------------------------
+def as_distribution(w, eps=1e-12):
+    """Attention weights (.., T) as a distribution per row, float32: their positive part,
+    renormalised. No change for softmax's and a sum's (distributions already); the delta rule's
+    (section 4b) may be negative and need not sum to 1."""
+    w = w.float().clamp_min(0)
+    return w / w.sum(-1, keepdim=True).clamp_min(eps)
+
 def attention_entropy(w, eps=1e-12):
-    """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4)."""
-    return -(w.float() * (w.float() + eps).log()).sum(-1)
+    """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4), of
+    the rows as_distribution."""
+    w = as_distribution(w)
+    return -(w * (w + eps).log()).sum(-1)
 
 def spectral_gap(w):
     """1 - |lambda_2| of each row-stochastic (B, H, T, T) matrix -> (B, H) float64 (eigenvalues by
@@ -834,12 +843,9 @@ def monotonicity(w, q, k, causal=True):
     return torch.stack(rhos, -1).mean(-1), (s[vis].float(), w[vis].float())
 
 def kl_divergence(p, q, eps=1e-12):
-    """KL(p || q) per row of two (B, H, T, T) attention matrices -> (B, H, T), nats. q's rows are
-    taken at their positive part, renormalised: no change for softmax's and a sum's (distributions
-    already), and a distribution to compare with for the delta rule's (section 4b), whose weights
-    may be negative and need not sum to 1."""
-    q = q.float().clamp_min(0)
-    q = q / q.sum(-1, keepdim=True).clamp_min(eps)
+    """KL(p || q) per row of two (B, H, T, T) attention matrices -> (B, H, T), nats, q's rows
+    as_distribution."""
+    q = as_distribution(q)
     return (p.float() * ((p.float() + eps).log() - (q + eps).log())).sum(-1)
 
 def kernel_l2(phi_q, phi_k, q, k, causal=True):

@@ -1098,7 +1098,7 @@ def curves(rows, key, out_dir):
         ax.plot([e['iter'] for e in s['evals']], [e[key] for e in s['evals']], 'o-', label=spec)
     ax.set(xlabel='step', ylabel=key)
     ax.legend()
-    fig.savefig(os.path.join(out_dir, 'compare.png'), dpi=80)
+    fig.savefig(os.path.join(out_dir, 'compare.png'), dpi=80, bbox_inches='tight')
     print(f"wrote {os.path.join(out_dir, 'compare.png')}")
 
 def main(argv=None):

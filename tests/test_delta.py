@@ -157,6 +157,7 @@ def test_fidelity_kl_of_the_delta_rules_weights():
     w = Hy.Attention('hedgehog:delta=1', D, H).weights(q, k)
     p = A.softmax_weights(q, k)
     assert (w < 0).any() and torch.isfinite(A.kl_divergence(p, w)).all()
+    assert torch.isfinite(A.attention_entropy(w)).all()   # (train.py's entropy column: nan before)
     wn = w.clamp_min(0) / w.clamp_min(0).sum(-1, keepdim=True)
     torch.testing.assert_close(A.kl_divergence(p, w), A.kl_divergence(p, wn))
     plain = (p.double() * ((p.double() + 1e-12).log() - (wn.double() + 1e-12).log())).sum(-1)   # (eps as in it)
