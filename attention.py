@@ -305,7 +305,7 @@ LLN_MATCH = ('paper', 'entropy', 'none')
 def _lln_log_weights(q, k, s2):
     """log P of LLN's bidirectional attention with alpha = beta = sqrt(s2 / 2) on q, k (n, T, D)."""
     t = math.sqrt(s2 / 2)
-    log_k = (torch.exp(t * q) @ torch.exp(t * k).transpose(-2, -1)).log()
+    log_k = (torch.exp(t * q) @ torch.exp(t * k).mT).log()
     return log_k - log_k.logsumexp(-1, keepdim=True)
 
 @functools.lru_cache(maxsize=None)
@@ -334,7 +334,7 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     def entropy(log_w):   # the mean row entropy
         return -(log_w.exp() * log_w).sum(-1).mean().item()
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
-    dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+    dots = q @ k.mT / math.sqrt(head_dim)
     h_sm = s2_grid.new_tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()])
     xs = [0.0]                     # s~^2 = 0: uniform weights,
     h_lln = [math.log(n_tokens)]   # entropy log n
@@ -587,7 +587,7 @@ def fold(Sz, m, k, c, v1):
     """The state Sz (B, H, F, E) in units exp(-m) (B, H) with keys k (B, H, L, F), their shifts c
     (B, H, L) and values v1 (B, H, L, E) added, in no order: (Sz', M), M = max(m, every c)."""
     M = torch.maximum(m, c.amax(-1)) if c.shape[-1] else m
-    return Sz * exp_as(m - M, k)[..., None, None] + scaled_keys(k, c, M).transpose(-2, -1) @ v1, M
+    return Sz * exp_as(m - M, k)[..., None, None] + scaled_keys(k, c, M).mT @ v1, M
 
 def divide(num, den):
     """num / den per row, 0 where den is 0 (a row whose features are all 0)."""
@@ -596,7 +596,7 @@ def divide(num, den):
 def _quadratic(q, k, v1, c, m, Sz0, m0, causal):
     """The definition, (B, H, T, T) weights A_ts = phi_q_t . phi_k_s exp(c_s - m_t) over s <= t
     (causal) or every s, plus the starting state read in row t's units."""
-    A = (q @ k.transpose(-2, -1)) * exp_as((c[..., None, :] - m[..., None]).clamp(max=0), q)
+    A = (q @ k.mT) * exp_as((c[..., None, :] - m[..., None]).clamp(max=0), q)
     A = A.tril() if causal else A
     out = A @ v1 + (q @ Sz0) * exp_as(m0[..., None] - m, q)[..., None]         # (B, H, T, D + 1)
     return out, fold(Sz0, m0, k, c, v1)[0]
@@ -630,10 +630,10 @@ def _chunked(q, k, v1, c, m, Sz0, m0, C):
     vc = chunks(v1)
     cc = nnf.pad(c, (0, pad), value=NO_KEY).view(B, H, n, C)                 # padding: no key
     mc = nnf.pad(m, (0, pad), 'replicate').view(B, H, n, C)
-    A = (qc @ kc.transpose(-2, -1)) * exp_as((cc[..., None, :] - mc[..., None]).clamp(max=0), q)
+    A = (qc @ kc.mT) * exp_as((cc[..., None, :] - mc[..., None]).clamp(max=0), q)
     M_after = mc[..., -1]                                                     # (B, H, n)
     M_before = torch.cat([m0[..., None], M_after[..., :-1]], -1)              # (B, H, n)
-    kv = scaled_keys(kc, cc, M_after).transpose(-2, -1) @ vc                  # (B, H, n, F, D + 1)
+    kv = scaled_keys(kc, cc, M_after).mT @ vc                                 # (B, H, n, F, D + 1)
     states = []
     Sz = Sz0
     for j in range(n):   # Sz: the state before chunk j, then after it
@@ -820,7 +820,7 @@ def monotonicity(w, q, k, causal=True):
     correlation, per query row, of w_ij and s_ij = q_i.k_j / sqrt(D) over the keys the row sees
     (rows with fewer than 3 keys skipped), averaged per head. Returns (rho (B, H) float64, (scores,
     weights) of every visible pair, 1-D)."""
-    s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    s = (q.double() @ k.double().mT) * q.shape[-1] ** -0.5
     w = w.double()
     T = w.shape[-1]
     rhos = []
@@ -845,8 +845,8 @@ def kl_divergence(p, q, eps=1e-12):
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
     """DoF's kernel loss: MSE of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the visible
     pairs (quadratic in T), unnormalised: pass exact features (fmap.features' phi exp(c))."""
-    err = (phi_q.float() @ phi_k.float().transpose(-2, -1) -
-           torch.exp((q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5)).square()
+    err = (phi_q.float() @ phi_k.float().mT -
+           torch.exp((q.float() @ k.float().mT) * q.shape[-1] ** -0.5)).square()
     if not causal:
         return err.mean()
     return err.masked_select(causal_mask(*err.shape[-2:], err.device).expand_as(err)).mean()

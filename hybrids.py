@@ -39,7 +39,7 @@ def _band_blocks(x, w):
     b + 1 (0-padded)."""
     n = math.ceil(x.shape[2] / w)
     x = nnf.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
-    return x.unfold(2, 3 * w, w).transpose(-1, -2)  # windows of 3w rows every w rows
+    return x.unfold(2, 3 * w, w).mT  # windows of 3w rows every w rows
 
 def _in_window(i, j, w, causal):
     """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees
