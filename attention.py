@@ -601,20 +601,17 @@ def _quadratic(q, k, v1, c, m, Sz0, m0, causal):
     out = A @ v1 + (q @ Sz0) * exp_as(m0[..., None] - m, q)[..., None]         # (B, H, T, D + 1)
     return out, fold(Sz0, m0, k, c, v1)[0]
 
-def _recurrent(q, k, v1, c, m, Sz0, m0):
-    """One token at a time, the state in row t's units:
+def _recurrent(q, k, v1, c, Sz0, m0):
+    """One token at a time (fold with one key), the state in row t's units, m_t = max(m_t-1, c_t):
         [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T
         out_t = phi_q_t [S | z]"""
     outs = []
     Sz = Sz0
-    m_prev = m0
+    m_t = m0
     for t in range(q.shape[2]):
-        k_t = k[:, :, t] * exp_as(c[..., t] - m[..., t], k)[..., None]            # (B, H, F)
-        decay = exp_as(m_prev - m[..., t], k)[..., None, None]                    # (B, H, 1, 1)
-        Sz = Sz * decay + torch.einsum('bhf,bhd->bhfd', k_t, v1[:, :, t])         # (B, H, F, D + 1)
-        m_prev = m[..., t]
-        outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], Sz))                # (B, H, D + 1)
-    return torch.stack(outs, 2), Sz
+        Sz, m_t = fold(Sz, m_t, k[:, :, t:t + 1], c[..., t:t + 1], v1[:, :, t:t + 1])
+        outs.append(q[:, :, t:t + 1] @ Sz)                                     # (B, H, 1, D + 1)
+    return torch.cat(outs, 2), Sz
 
 def _chunked(q, k, v1, c, m, Sz0, m0, C):
     """Quadratic inside chunks of C tokens, the state carried from chunk to chunk: O(T F D / C)
@@ -666,7 +663,7 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
         Sz = fold(Sz0, m0, k, c, v1)[0]
         out = q @ Sz
     elif impl == 'recurrent':
-        out, Sz = _recurrent(q, k, v1, c, m, Sz0, m0)
+        out, Sz = _recurrent(q, k, v1, c, Sz0, m0)
     else:
         out, Sz = _chunked(q, k, v1, c, m, Sz0, m0, chunk_size)
     return out[..., :-1], out[..., -1], m, (Sz[..., :-1], Sz[..., -1], m[..., -1])   # [..., -1]: z
