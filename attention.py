@@ -72,10 +72,16 @@ def causal_mask(T_q, T_k, device=None):
     query_positions = torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
     return torch.arange(T_k, device=device) <= query_positions
 
+def identity_values(x):
+    """(B, H, T, T) identity matrices for x (B, H, T, .), float32 (float64 stays): as values, an
+    attention's output is its weights."""
+    eye = torch.eye(x.shape[2], device=x.device, dtype=acc(x).dtype)
+    return eye.expand(*x.shape[:2], -1, -1)
+
 def softmax_weights(q, k, causal=True, attn_mask=None):
     """The (B, H, T, T) matrix of softmax attention, float32: its output for identity values."""
-    eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
-    return softmax_attention(q.float(), k.float(), eye, causal, attn_mask)
+    k = k.float()
+    return softmax_attention(q.float(), k, identity_values(k), causal, attn_mask)
 
 # ---- 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F) ---
 class FeatureMap(nn.Module):
@@ -699,9 +705,7 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
 
 def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
-    eye = torch.eye(phi_q.shape[2], device=phi_q.device, dtype=acc(phi_q).dtype)
-    eye = eye.expand(*phi_q.shape[:2], -1, -1)                               # (B, H, T, T)
-    return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', c_k=c_k)
+    return linear_attention(phi_q, phi_k, identity_values(phi_q), causal, 'quadratic', c_k=c_k)
 
 # ---- 4b. the delta rule: a state that overwrites ---------------------------------
 # The sum S_t = S_t-1 + phi(k_t) v_t^T only adds: a key written once is blurred by every later one.

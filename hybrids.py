@@ -463,8 +463,8 @@ class Attention(nn.Module):
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for identity values."""
-        eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
-        return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
+        k = k.float()
+        return self(q.float(), k, A.identity_values(k), key_padding_mask=key_padding_mask)
 
     def map_inputs(self, q, k, start=0, back=0):
         """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position
