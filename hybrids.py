@@ -135,10 +135,9 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k: 0 at
     padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory. Returns y and each row's share of
     attention on the softmax part (combine_window_linear)."""
-    B, _, T, _ = q.shape
+    T = q.shape[2]
     n_sinks = min(spec.sinks, T)
-    keys = key_padding_mask if key_padding_mask is not None else \
-        q.new_ones(B, T, dtype=torch.bool)
+    keys = _real(q, key_padding_mask)
     num_w, den_w, _ = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
         return divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
@@ -146,37 +145,36 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     phi_k = acc(phi_k) * ~is_sink[:, None]
     if spec.delta:   # the delta rule (causal) over the keys that left the window; c_k: their gates
         shifted = (_shift(x, spec.window) for x in (phi_k, v, c_k))   # gates 0: beta 0, alpha 1
-        y_l = A.delta_rule(phi_q, *shifted, spec.impl, chunk_size)[0]
-        den_l = torch.ones_like(y_l[..., 0])                           # (its read needs no z)
-        y, share = combine_window_linear(num_w, den_w, y_l, den_l, None, factor, spec.combine)
-        return y.to(v.dtype), share
-    c_k = c_k.masked_fill(is_sink, NO_KEY)
-    linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
-    if not causal:   # plus the keys j >= i + window: the same, backwards in time
-        flipped = (x.flip(2) for x in (phi_q, phi_k, v, c_k))
-        back = _linear_part(*flipped, spec.window, spec.impl, chunk_size)
-        linear = _merge(linear, [x.flip(2) for x in back])
-    num_l, den_l, m_l = linear
-    y, share = combine_window_linear(num_w, den_w, num_l, den_l, c_q + m_l, factor,
-                                     spec.combine)
+        num_l = A.delta_rule(phi_q, *shifted, spec.impl, chunk_size)[0]
+        den_l = torch.ones_like(num_l[..., 0])                         # (its read needs no z)
+        c = None                                                       # (mix: not read)
+    else:
+        c_k = c_k.masked_fill(is_sink, NO_KEY)
+        linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
+        if not causal:   # plus the keys j >= i + window: the same, backwards in time
+            flipped = (x.flip(2) for x in (phi_q, phi_k, v, c_k))
+            back = _linear_part(*flipped, spec.window, spec.impl, chunk_size)
+            linear = _merge(linear, [x.flip(2) for x in back])
+        num_l, den_l, m_l = linear
+        c = c_q + m_l
+    y, share = combine_window_linear(num_w, den_w, num_l, den_l, c, factor, spec.combine)
     return y.to(v.dtype), share
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al.
     2023, Sec. 4.2."""
-    B, H, T, D = q.shape
+    B, _, T, _ = q.shape
     # pad: to a whole number of blocks
     n = math.ceil(T / block)
     pad = -T % block
-    qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block,
-                                                     t.shape[-1]) for t in (q, k, v))
-    keys = q.new_ones(B, T, dtype=torch.bool) if key_padding_mask is None else key_padding_mask
+    qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).unflatten(2, (n, block)) for t in (q, k, v))
+    keys = _real(q, key_padding_mask)
     mask = nnf.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
-    mask = mask & q.new_ones(block, block, dtype=torch.bool).tril() if causal else mask
-    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself:
-                                                                       # finite
-    return nnf.scaled_dot_product_attention(qb, kb, vb,
-                                            attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
+    if causal:
+        mask = mask & A.causal_mask(block, block, q.device)
+    # a padded query sees itself: finite
+    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)
+    return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).flatten(2, 3)[:, :, :T]
 
 # ---- 2. the states' parts, and what every state offers ---------------------------
 @dataclass(frozen=True)
