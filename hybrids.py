@@ -556,8 +556,8 @@ class KVCache:
         cap = max(capacity, self.k.shape[2])
         n = self.n
 
-        def grown(x):
-            return torch.cat([x[:, :, :n], x.new_zeros(*x.shape[:2], cap - n, x.shape[3])], 2)
+        def grown(x):   # the first n tokens, then zeros up to cap
+            return nnf.pad(x[:, :, :n], (0, 0, 0, cap - n))
         return KVCache(grown(self.k), grown(self.v), self.pos.clone(), n, [n], static)
 
     def append(self, k, v):
