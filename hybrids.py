@@ -631,7 +631,9 @@ class Linear(Attention):
 
     def _from(self, q, k, v, st, key_padding_mask=None):
         """Tokens after state st (None: from the start), all at once."""
-        (n, pos), T = (0, None) if st is None else (st.n, st.pos), q.shape[2]
+        n = 0 if st is None else st.n
+        pos = None if st is None else st.pos
+        T = q.shape[2]
         phi_q, phi_k, _, c_k = self._features(q, k, n, key_padding_mask, pos)
         pos = _position(q, n + T) if pos is None else pos + T
         if self.spec.delta:   # c_k: the keys' gates
@@ -745,7 +747,10 @@ class Window(Attention):
 
     def _state(self, k, v, phi_k, c_k):
         """The decode state after tokens k, v (B, H, T, D) with their features (or None)."""
-        (B, H, T, D), g, W, N = k.shape, self.kv_groups, self.window, self.spec.sinks
+        B, H, T, D = k.shape
+        g = self.kv_groups
+        W = self.window
+        N = self.spec.sinks
         # (B, H_kv, T, D)
         k1 = k[:, ::g]
         v1 = v[:, ::g]
@@ -872,7 +877,9 @@ class Diag(Linear):
     decode = Attention.decode   # tokens after a state: one step each
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
-        (T, b), g = (q.shape[2], self.spec.diag_block), self.kv_groups
+        T = q.shape[2]
+        b = self.spec.diag_block
+        g = self.kv_groups
         y, linear = super().parallel(q, k, v, key_padding_mask, return_state)
         y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, self.causal, key_padding_mask))
         if not (return_state and self.causal):
