@@ -846,7 +846,7 @@ class Window(Attention):
         T = q.shape[2]
         real = _real(q, key_padding_mask)
         j = torch.arange(T, device=q.device)
-        seen = A.causal_mask(T, T, q.device) if self.causal else q.new_ones(T, T, dtype=torch.bool)
+        seen = A.causal_mask(T, T, q.device) | (not self.causal)
         # (T, T)
         soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen
         total = 0.0
@@ -925,8 +925,7 @@ class Pairs:
         """The pairs idx (B, H_kv, n) of each KV head (its query heads: the same pairs)."""
         def gather(x):   # along time; idx per KV head, or repeated to the query heads
             i = idx if x.shape[1] == idx.shape[1] else idx.repeat_interleave(g, 1)
-            i = i.view(*i.shape, *[1] * (x.dim() - 3)).expand(*i.shape, *x.shape[3:])
-            return x.gather(2, i)
+            return torch.take_along_dim(x, i.view(*i.shape, *[1] * (x.dim() - 3)), 2)
         return self._map(lambda x, _: gather(x))
 
 @dataclass(frozen=True)
@@ -964,11 +963,13 @@ class Lola(Window):
     fuses = False
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
-        (B, H, _, D), Dv, g, F = q.shape, v.shape[-1], self.kv_groups, self.fmap.feature_dim
-        none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
+        B, H = q.shape[:2]
+        g = self.kv_groups
+        F = self.fmap.feature_dim
+        none = Pairs(k[:, ::g, :0], v[:, ::g, :0])   # no pairs: 0 tokens of the KV heads
         with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
         return self.decode(q, k, v, LolaState(0, none, with_phi, with_phi,
-                                              LinearState.empty(B, H, F, Dv, q)))
+                                              LinearState.empty(B, H, F, v.shape[-1], q)))
 
     def decode(self, q, k, v, state):
         C = self.spec.cache_block
@@ -981,8 +982,8 @@ class Lola(Window):
             qs, ks, vs = (x[:, :, t:t + n] for x in (q, k, v))
             y, share, phi_k, c_k = self._segment(qs, ks, vs, state)
             state = self._update(self._push(state, ks, vs, phi_k, c_k))
-            ys = ys + [y]
-            shares = shares + [share]
+            ys.append(y)
+            shares.append(share)
             t = t + n
         self.share = torch.cat(shares, 2).detach()
         return torch.cat(ys, 2), state
