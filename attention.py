@@ -326,7 +326,7 @@ def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
     for s2 in grid.tolist():
         q, k = torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
         ys.append(_lln_log_weights(q, k, s2).var())
-    A = torch.stack([grid, torch.ones_like(grid)], dim=1)
+    A = torch.vander(grid, 2)                                    # (16, 2): columns s~^2, 1
     return tuple(torch.linalg.lstsq(A, torch.stack(ys)[:, None]).solution.squeeze(1).tolist())
 
 @functools.lru_cache(maxsize=None)
@@ -405,7 +405,7 @@ class LLNFeatureMap(FeatureMap):
                               self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
-        return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha or beta
+        return self.alpha_beta()[which == 'k'].to(x.dtype)[:, None, None] * x  # alpha or beta
 
     def _sides(self, fn, q, k, offset):   # alpha q, beta k: the temperatures computed once
         alpha, beta = (t.to(q.dtype)[:, None, None] for t in self.alpha_beta())   # (H, 1, 1)
