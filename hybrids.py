@@ -93,9 +93,9 @@ def _window_part(q, k, v, w, n_sinks, causal, keys):
     """The softmax part of the window hybrid, unnormalised (num, den, m) per row (B, H, T, ..): the
     row's window (blocks of w queries against the previous, this and the next block of keys) and
     the first n_sinks keys outside it. keys (B, T): True at real (not padding) keys."""
-    B, H, T, D = q.shape
+    T = q.shape[2]
     n = math.ceil(T / w)
-    q_blocks = nnf.pad(q, (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)      # (B, H, n, w, D)
+    q_blocks = nnf.pad(q, (0, 0, 0, n * w - T)).unflatten(2, (n, w))        # (B, H, n, w, D)
     rows = torch.arange(n * w, device=q.device).view(n, w, 1)                # (n, w, 1) query
                                                                              # positions
     cols = rows[:, :1] - w + torch.arange(3 * w, device=q.device)            # (n, 1, 3w) key
@@ -103,15 +103,15 @@ def _window_part(q, k, v, w, n_sinks, causal, keys):
     real = _band_blocks(keys[:, None, :, None].float(), w)[..., 0] > 0.5     # (B, 1, n, 3w)
     visible = _in_window(rows, cols, w, causal) & real[:, :, :, None, :]     # (B, 1, n, w, 3w)
     parts = _window_softmax(q_blocks, _band_blocks(k, w), _band_blocks(v, w), visible)
-    num, den, m = (x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T] for x in parts)
+    window = tuple(x.flatten(2, 3)[:, :, :T] for x in parts)                # (B, H, T, ..)
     if not n_sinks:
-        return num, den, m
+        return window
     i = torch.arange(T, device=q.device)[:, None]                            # (T, 1) queries
     j = torch.arange(n_sinks, device=q.device)                               # (N,) sink keys
     outside = ~_in_window(i, j, w, causal) & ((i >= j) | (not causal))       # (T, N)
     sinks = _window_softmax(q, k[:, :, :n_sinks], v[:, :, :n_sinks],
                             outside & keys[:, None, None, :n_sinks])          # mask (B, 1, T, N)
-    return _merge((num, den, m), sinks)
+    return _merge(window, sinks)
 
 def _shift(x, w, fill=0.0):
     """x_t <- x_{t - w} along time (dim 2); the first w positions filled."""
