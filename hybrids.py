@@ -911,8 +911,9 @@ class Pairs:
         return self.k.shape[2]
 
     def _map(self, fn, other=None):
-        xs = [getattr(self, f.name) for f in fields(self)]
-        ys = [getattr(other, f.name) for f in fields(other)] if other is not None else [None] * 4
+        """fn(x, y) on each field x of self (None stays) and y of other (None: y is x)."""
+        xs = vars(self).values()
+        ys = vars(self if other is None else other).values()
         return Pairs(*(None if x is None else fn(x, y) for x, y in zip(xs, ys)))
 
     def cat(self, other):
