@@ -22,7 +22,7 @@ RoPE, k and v repeated to H heads; states keep the H_kv = H / kv_groups key/valu
 """
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -273,14 +273,13 @@ class Empty:
 
 def state_tensors(state):
     """The tensors of a decode state (or a list of them), in order, nested states included."""
-    if isinstance(state, (list, tuple)):
+    if hasattr(state, '__dataclass_fields__'):   # a state: its fields, in order
+        state = list(vars(state).values())
+    if torch.is_tensor(state):
+        yield state
+    elif isinstance(state, (list, tuple)):
         for s in state:
             yield from state_tensors(s)
-    elif torch.is_tensor(state):
-        yield state
-    elif hasattr(state, '__dataclass_fields__'):
-        for f in fields(state):
-            yield from state_tensors(getattr(state, f.name))
 
 def state_nbytes(state):
     """Bytes held by a decode state (or a list of them, one per layer), all KV capacity included."""
@@ -311,7 +310,7 @@ def _cloned(state):
     if torch.is_tensor(state):
         return state.detach().clone()
     if hasattr(state, '__dataclass_fields__'):
-        return replace(state, **{f.name: _cloned(getattr(state, f.name)) for f in fields(state)})
+        return replace(state, **{name: _cloned(x) for name, x in vars(state).items()})
     return state
 
 def copy_state_(dst, src):
