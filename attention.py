@@ -850,4 +850,4 @@ def kernel_l2(phi_q, phi_k, q, k, causal=True):
            torch.exp((q.float() @ k.float().mT) * q.shape[-1] ** -0.5)).square()
     if not causal:
         return err.mean()
-    return err.masked_select(causal_mask(*err.shape[-2:], err.device).expand_as(err)).mean()
+    return err[causal_mask(*err.shape[-2:], err.device).expand_as(err)].mean()

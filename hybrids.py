@@ -369,7 +369,7 @@ class Attention(nn.Module):
                                # exact)
             s = A.AttnSpec.parse(spec)
             n_kv = n_heads // max(kv_groups, 1)
-            all_exact = bool(s.exact) and {int(h) for h in s.exact.split('+')} >= set(range(n_kv))
+            all_exact = len(exact_heads(s, n_kv, causal, True)) == n_kv   # (nope's check: __init__)
             cls = Softmax if all_exact or (s.name == 'softmax' and not s.window) else \
                 Lola if s.cache else Window if s.window else Diag if s.diag_block else Linear
         return super().__new__(cls)
