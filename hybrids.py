@@ -655,7 +655,7 @@ def fusable(core):
     fm = core.fmap
     spec = core.spec
     D = core.head_dim
-    L = core.spec.sinks + core.window
+    L = spec.sinks + core.window
     why = "LoLA's cache (cache=) has none" if spec.cache else \
         'the delta rule has none' if spec.delta else \
         'a window without a map (softmax) has none' if fm is None or not core.fuses else \
@@ -688,7 +688,8 @@ def fused_step(core, q, k, v, st):
     kernels.decode_step: the same output and state."""
     window = isinstance(st, WindowState)
     fm = core.fmap
-    lin, slots = (st.linear, st.slots) if window else (st, None)
+    lin = st.linear if window else st
+    slots = st.slots if window else None
     if core.spec.nope and core.inv_freq.device != q.device:
         core.inv_freq = core.inv_freq.to(q.device)
     y, (S, z, m), ring = kernels.decode_step(
@@ -855,7 +856,7 @@ class Window(Attention):
             rows = real[b] & (visible & ~soft).any(-1)   # real rows that also see keys of the
                                                          # linear part
             w = A.softmax_weights(q[b:b + 1], k[b:b + 1], attn_mask=visible)[0]   # (H, T, T)
-            total = total + (w * soft).sum(-1)[:, rows].double().sum(-1)         # (H,)
+            total += (w * soft).sum(-1)[:, rows].double().sum(-1)                # (H,)
             n += int(rows.sum())
         if n:
             self.window_factor.copy_(torch.logit((total / n).clamp(1e-4, 1 - 1e-4)))
