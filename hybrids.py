@@ -1014,9 +1014,10 @@ class Lola(Window):
         are fewer than spec.sinks, the others to the buffer."""
         s = min(max(self.spec.sinks - st.offset, 0), k.shape[2])
         g = self.kv_groups
-        sinks = st.sinks.cat(Pairs(k[:, ::g, :s], v[:, ::g, :s]))
-        rest = Pairs(k[:, ::g, s:], v[:, ::g, s:], phi_k[:, :, s:], c_k[:, :, s:])
-        return replace(st, offset=st.offset + k.shape[2], sinks=sinks, buffer=st.buffer.cat(rest))
+        new = Pairs(k[:, ::g], v[:, ::g], phi_k, c_k)
+        sinks = st.sinks.cat(new.cut(0, s))   # (the sinks keep no phi, c)
+        buffer = st.buffer.cat(new.cut(s))
+        return replace(st, offset=st.offset + k.shape[2], sinks=sinks, buffer=buffer)
 
     def _update(self, st):
         """Once the buffer holds window - 1 + C tokens, its first C leave the softmax part: they and
