@@ -622,17 +622,17 @@ def _recurrent(q, k, v1, c, Sz0, m0):
 def _chunked(q, k, v1, c, m, Sz0, m0, C):
     """Quadratic inside chunks of C tokens, the state carried from chunk to chunk: O(T F D / C)
     memory. The state before chunk j is in units of exp(-M_j-1), M_j = m at chunk j's last row."""
-    B, H, T, _ = q.shape
+    T = q.shape[2]
     n = math.ceil(T / C)
     pad = -T % C
 
     def chunks(x):   # (B, H, T, E) -> (B, H, n, C, E), zero-padded
-        return nnf.pad(x, (0, 0, 0, pad)).view(B, H, n, C, x.shape[-1])
+        return nnf.pad(x, (0, 0, 0, pad)).unflatten(2, (n, C))
     qc = chunks(q)
     kc = chunks(k)
     vc = chunks(v1)
-    cc = nnf.pad(c, (0, pad), value=NO_KEY).view(B, H, n, C)                 # padding: no key
-    mc = nnf.pad(m, (0, pad), 'replicate').view(B, H, n, C)
+    cc = nnf.pad(c, (0, pad), value=NO_KEY).unflatten(2, (n, C))             # padding: no key
+    mc = nnf.pad(m, (0, pad), 'replicate').unflatten(2, (n, C))              # (B, H, n, C)
     A = (qc @ kc.mT) * exp_as((cc[..., None, :] - mc[..., None]).clamp(max=0), q)
     M_after = mc[..., -1]                                                     # (B, H, n)
     M_before = torch.cat([m0[..., None], M_after[..., :-1]], -1)              # (B, H, n)
@@ -644,7 +644,7 @@ def _chunked(q, k, v1, c, m, Sz0, m0, C):
         Sz = Sz * exp_as(M_before[..., j] - M_after[..., j], q)[..., None, None] + kv[:, :, j]
     r = exp_as(M_before[..., None] - mc, q)[..., None]                        # (B, H, n, C, 1)
     out = A.tril() @ vc + (qc @ torch.stack(states, 2)) * r                   # (B, H, n, C, D + 1)
-    return out.reshape(B, H, n * C, -1)[:, :, :T], Sz
+    return out.flatten(2, 3)[:, :, :T], Sz
 
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64,
                            initial_state=None, c_k=None):
