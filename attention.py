@@ -302,7 +302,8 @@ class LolcatsFeatureMap(HedgehogFeatureMap):
 
     def project(self, x):
         width = self.weight.shape[1]
-        if width == self.head_dim:   # the skip connection: x itself
+        if width == self.head_dim:   # the skip connection: x itself (no pad op in a decode step:
+                                     # tests/test_model.py counts them)
             return super().project(x) + x
         return super().project(x) + nnf.pad(x[..., :width], (0, max(width - self.head_dim, 0)))
 
