@@ -72,10 +72,16 @@ def causal_mask(T_q, T_k, device=None):
     query_positions = torch.arange(T_q, device=device)[:, None] + (T_k - T_q)
     return torch.arange(T_k, device=device) <= query_positions
 
+def identity_values(x):
+    """(B, H, T, T) identity matrices for x (B, H, T, .), float32 (float64 stays): as values, an
+    attention's output is its weights."""
+    eye = torch.eye(x.shape[2], device=x.device, dtype=acc(x).dtype)
+    return eye.expand(*x.shape[:2], -1, -1)
+
 def softmax_weights(q, k, causal=True, attn_mask=None):
     """The (B, H, T, T) matrix of softmax attention, float32: its output for identity values."""
-    eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
-    return softmax_attention(q.float(), k.float(), eye, causal, attn_mask)
+    k = k.float()
+    return softmax_attention(q.float(), k, identity_values(k), causal, attn_mask)
 
 # ---- 2. feature maps: fmap(q, k, offset) -> (phi_q, phi_k), float32 (B, H, T, F) ---
 class FeatureMap(nn.Module):
@@ -296,7 +302,8 @@ class LolcatsFeatureMap(HedgehogFeatureMap):
 
     def project(self, x):
         width = self.weight.shape[1]
-        if width == self.head_dim:   # the skip connection: x itself
+        if width == self.head_dim:   # the skip connection: x itself (no pad op in a decode step:
+                                     # tests/test_model.py counts them)
             return super().project(x) + x
         return super().project(x) + nnf.pad(x[..., :width], (0, max(width - self.head_dim, 0)))
 
@@ -305,7 +312,7 @@ LLN_MATCH = ('paper', 'entropy', 'none')
 def _lln_log_weights(q, k, s2):
     """log P of LLN's bidirectional attention with alpha = beta = sqrt(s2 / 2) on q, k (n, T, D)."""
     t = math.sqrt(s2 / 2)
-    log_k = (torch.exp(t * q) @ torch.exp(t * k).transpose(-2, -1)).log()
+    log_k = (torch.exp(t * q) @ torch.exp(t * k).mT).log()
     return log_k - log_k.logsumexp(-1, keepdim=True)
 
 @functools.lru_cache(maxsize=None)
@@ -320,7 +327,7 @@ def lln_fit(head_dim, n_tokens=256, reps=8, seed=0):
     for s2 in grid.tolist():
         q, k = torch.randn(2, reps, n_tokens, head_dim, generator=g, dtype=torch.float64)
         ys.append(_lln_log_weights(q, k, s2).var())
-    A = torch.stack([grid, torch.ones_like(grid)], dim=1)
+    A = torch.vander(grid, 2)                                    # (16, 2): columns s~^2, 1
     return tuple(torch.linalg.lstsq(A, torch.stack(ys)[:, None]).solution.squeeze(1).tolist())
 
 @functools.lru_cache(maxsize=None)
@@ -334,7 +341,7 @@ def lln_entropy_fit(head_dim, n_tokens=256, reps=16, seed=0, s2_max=8.0, step=0.
     def entropy(log_w):   # the mean row entropy
         return -(log_w.exp() * log_w).sum(-1).mean().item()
     s2_grid = torch.arange(0.0, s2_max + step / 2, step, dtype=torch.float64)
-    dots = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+    dots = q @ k.mT / math.sqrt(head_dim)
     h_sm = s2_grid.new_tensor([entropy(torch.log_softmax(s * dots, -1)) for s in s2_grid.sqrt()])
     xs = [0.0]                     # s~^2 = 0: uniform weights,
     h_lln = [math.log(n_tokens)]   # entropy log n
@@ -399,7 +406,7 @@ class LLNFeatureMap(FeatureMap):
                               self.head_dim, self.match)
 
     def log_phi(self, x, which, offset):
-        return self.alpha_beta()[which == 'k'].to(x.dtype)[None, :, None, None] * x  # alpha or beta
+        return self.alpha_beta()[which == 'k'].to(x.dtype)[:, None, None] * x  # alpha or beta
 
     def _sides(self, fn, q, k, offset):   # alpha q, beta k: the temperatures computed once
         alpha, beta = (t.to(q.dtype)[:, None, None] for t in self.alpha_beta())   # (H, 1, 1)
@@ -587,7 +594,7 @@ def fold(Sz, m, k, c, v1):
     """The state Sz (B, H, F, E) in units exp(-m) (B, H) with keys k (B, H, L, F), their shifts c
     (B, H, L) and values v1 (B, H, L, E) added, in no order: (Sz', M), M = max(m, every c)."""
     M = torch.maximum(m, c.amax(-1)) if c.shape[-1] else m
-    return Sz * exp_as(m - M, k)[..., None, None] + scaled_keys(k, c, M).transpose(-2, -1) @ v1, M
+    return Sz * exp_as(m - M, k)[..., None, None] + scaled_keys(k, c, M).mT @ v1, M
 
 def divide(num, den):
     """num / den per row, 0 where den is 0 (a row whose features are all 0)."""
@@ -596,44 +603,41 @@ def divide(num, den):
 def _quadratic(q, k, v1, c, m, Sz0, m0, causal):
     """The definition, (B, H, T, T) weights A_ts = phi_q_t . phi_k_s exp(c_s - m_t) over s <= t
     (causal) or every s, plus the starting state read in row t's units."""
-    A = (q @ k.transpose(-2, -1)) * exp_as((c[..., None, :] - m[..., None]).clamp(max=0), q)
+    A = (q @ k.mT) * exp_as((c[..., None, :] - m[..., None]).clamp(max=0), q)
     A = A.tril() if causal else A
     out = A @ v1 + (q @ Sz0) * exp_as(m0[..., None] - m, q)[..., None]         # (B, H, T, D + 1)
     return out, fold(Sz0, m0, k, c, v1)[0]
 
-def _recurrent(q, k, v1, c, m, Sz0, m0):
-    """One token at a time, the state in row t's units:
+def _recurrent(q, k, v1, c, Sz0, m0):
+    """One token at a time (fold with one key), the state in row t's units, m_t = max(m_t-1, c_t):
         [S | z] <- [S | z] exp(m_t-1 - m_t) + phi_k_t exp(c_t - m_t) [v_t | 1]^T
         out_t = phi_q_t [S | z]"""
     outs = []
     Sz = Sz0
-    m_prev = m0
+    m_t = m0
     for t in range(q.shape[2]):
-        k_t = k[:, :, t] * exp_as(c[..., t] - m[..., t], k)[..., None]            # (B, H, F)
-        decay = exp_as(m_prev - m[..., t], k)[..., None, None]                    # (B, H, 1, 1)
-        Sz = Sz * decay + torch.einsum('bhf,bhd->bhfd', k_t, v1[:, :, t])         # (B, H, F, D + 1)
-        m_prev = m[..., t]
-        outs.append(torch.einsum('bhf,bhfd->bhd', q[:, :, t], Sz))                # (B, H, D + 1)
-    return torch.stack(outs, 2), Sz
+        Sz, m_t = fold(Sz, m_t, k[:, :, t:t + 1], c[..., t:t + 1], v1[:, :, t:t + 1])
+        outs.append(q[:, :, t:t + 1] @ Sz)                                     # (B, H, 1, D + 1)
+    return torch.cat(outs, 2), Sz
 
 def _chunked(q, k, v1, c, m, Sz0, m0, C):
     """Quadratic inside chunks of C tokens, the state carried from chunk to chunk: O(T F D / C)
     memory. The state before chunk j is in units of exp(-M_j-1), M_j = m at chunk j's last row."""
-    B, H, T, _ = q.shape
+    T = q.shape[2]
     n = math.ceil(T / C)
     pad = -T % C
 
     def chunks(x):   # (B, H, T, E) -> (B, H, n, C, E), zero-padded
-        return nnf.pad(x, (0, 0, 0, pad)).view(B, H, n, C, x.shape[-1])
+        return nnf.pad(x, (0, 0, 0, pad)).unflatten(2, (n, C))
     qc = chunks(q)
     kc = chunks(k)
     vc = chunks(v1)
-    cc = nnf.pad(c, (0, pad), value=NO_KEY).view(B, H, n, C)                 # padding: no key
-    mc = nnf.pad(m, (0, pad), 'replicate').view(B, H, n, C)
-    A = (qc @ kc.transpose(-2, -1)) * exp_as((cc[..., None, :] - mc[..., None]).clamp(max=0), q)
+    cc = nnf.pad(c, (0, pad), value=NO_KEY).unflatten(2, (n, C))             # padding: no key
+    mc = nnf.pad(m, (0, pad), 'replicate').unflatten(2, (n, C))              # (B, H, n, C)
+    A = (qc @ kc.mT) * exp_as((cc[..., None, :] - mc[..., None]).clamp(max=0), q)
     M_after = mc[..., -1]                                                     # (B, H, n)
     M_before = torch.cat([m0[..., None], M_after[..., :-1]], -1)              # (B, H, n)
-    kv = scaled_keys(kc, cc, M_after).transpose(-2, -1) @ vc                  # (B, H, n, F, D + 1)
+    kv = scaled_keys(kc, cc, M_after).mT @ vc                                 # (B, H, n, F, D + 1)
     states = []
     Sz = Sz0
     for j in range(n):   # Sz: the state before chunk j, then after it
@@ -641,7 +645,7 @@ def _chunked(q, k, v1, c, m, Sz0, m0, C):
         Sz = Sz * exp_as(M_before[..., j] - M_after[..., j], q)[..., None, None] + kv[:, :, j]
     r = exp_as(M_before[..., None] - mc, q)[..., None]                        # (B, H, n, C, 1)
     out = A.tril() @ vc + (qc @ torch.stack(states, 2)) * r                   # (B, H, n, C, D + 1)
-    return out.reshape(B, H, n * C, -1)[:, :, :T], Sz
+    return out.flatten(2, 3)[:, :, :T], Sz
 
 def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_size=64,
                            initial_state=None, c_k=None):
@@ -666,7 +670,7 @@ def linear_attention_parts(phi_q, phi_k, v, causal=True, impl='chunked', chunk_s
         Sz = fold(Sz0, m0, k, c, v1)[0]
         out = q @ Sz
     elif impl == 'recurrent':
-        out, Sz = _recurrent(q, k, v1, c, m, Sz0, m0)
+        out, Sz = _recurrent(q, k, v1, c, Sz0, m0)
     else:
         out, Sz = _chunked(q, k, v1, c, m, Sz0, m0, chunk_size)
     return out[..., :-1], out[..., -1], m, (Sz[..., :-1], Sz[..., -1], m[..., -1])   # [..., -1]: z
@@ -702,9 +706,7 @@ def linear_attention(phi_q, phi_k, v, causal=True, impl='chunked', eps=0.0, chun
 
 def linear_attention_weights(phi_q, phi_k, causal=True, c_k=None):
     """The (B, H, T, T) matrix of linear attention: its output for the identity matrix as values."""
-    eye = torch.eye(phi_q.shape[2], device=phi_q.device, dtype=acc(phi_q).dtype)
-    eye = eye.expand(*phi_q.shape[:2], -1, -1)                               # (B, H, T, T)
-    return linear_attention(phi_q, phi_k, eye, causal, 'quadratic', c_k=c_k)
+    return linear_attention(phi_q, phi_k, identity_values(phi_q), causal, 'quadratic', c_k=c_k)
 
 # ---- 4b. the delta rule: a state that overwrites ---------------------------------
 # The sum S_t = S_t-1 + phi(k_t) v_t^T only adds: a key written once is blurred by every later one.
@@ -829,7 +831,7 @@ def monotonicity(w, q, k, causal=True):
     correlation, per query row, of w_ij and s_ij = q_i.k_j / sqrt(D) over the keys the row sees
     (rows with fewer than 3 keys skipped), averaged per head. Returns (rho (B, H) float64, (scores,
     weights) of every visible pair, 1-D)."""
-    s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    s = (q.double() @ k.double().mT) * q.shape[-1] ** -0.5
     w = w.double()
     T = w.shape[-1]
     rhos = []
@@ -851,8 +853,8 @@ def kl_divergence(p, q, eps=1e-12):
 def kernel_l2(phi_q, phi_k, q, k, causal=True):
     """DoF's kernel loss: MSE of phi(q_i).phi(k_j) against exp(q_i.k_j / sqrt(D)) over the visible
     pairs (quadratic in T), unnormalised: pass exact features (fmap.features' phi exp(c))."""
-    err = (phi_q.float() @ phi_k.float().transpose(-2, -1) -
-           torch.exp((q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5)).square()
+    err = (phi_q.float() @ phi_k.float().mT -
+           torch.exp((q.float() @ k.float().mT) * q.shape[-1] ** -0.5)).square()
     if not causal:
         return err.mean()
-    return err.masked_select(causal_mask(*err.shape[-2:], err.device).expand_as(err)).mean()
+    return err[causal_mask(*err.shape[-2:], err.device).expand_as(err)].mean()

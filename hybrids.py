@@ -22,7 +22,7 @@ RoPE, k and v repeated to H heads; states keep the H_kv = H / kv_groups key/valu
 """
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,7 @@ def _band_blocks(x, w):
     b + 1 (0-padded)."""
     n = math.ceil(x.shape[2] / w)
     x = nnf.pad(x, (0, 0, w, (n + 1) * w - x.shape[2]))  # (B, H, (n + 2) w, E)
-    return x.unfold(2, 3 * w, w).transpose(-1, -2)  # windows of 3w rows every w rows
+    return x.unfold(2, 3 * w, w).mT  # windows of 3w rows every w rows
 
 def _in_window(i, j, w, causal):
     """Key j is in query i's window: i - w < j <= i (causal) or |i - j| < w; the linear part sees
@@ -93,9 +93,9 @@ def _window_part(q, k, v, w, n_sinks, causal, keys):
     """The softmax part of the window hybrid, unnormalised (num, den, m) per row (B, H, T, ..): the
     row's window (blocks of w queries against the previous, this and the next block of keys) and
     the first n_sinks keys outside it. keys (B, T): True at real (not padding) keys."""
-    B, H, T, D = q.shape
+    T = q.shape[2]
     n = math.ceil(T / w)
-    q_blocks = nnf.pad(q, (0, 0, 0, n * w - T)).reshape(B, H, n, w, D)      # (B, H, n, w, D)
+    q_blocks = nnf.pad(q, (0, 0, 0, n * w - T)).unflatten(2, (n, w))        # (B, H, n, w, D)
     rows = torch.arange(n * w, device=q.device).view(n, w, 1)                # (n, w, 1) query
                                                                              # positions
     cols = rows[:, :1] - w + torch.arange(3 * w, device=q.device)            # (n, 1, 3w) key
@@ -103,15 +103,15 @@ def _window_part(q, k, v, w, n_sinks, causal, keys):
     real = _band_blocks(keys[:, None, :, None].float(), w)[..., 0] > 0.5     # (B, 1, n, 3w)
     visible = _in_window(rows, cols, w, causal) & real[:, :, :, None, :]     # (B, 1, n, w, 3w)
     parts = _window_softmax(q_blocks, _band_blocks(k, w), _band_blocks(v, w), visible)
-    num, den, m = (x.reshape(B, H, n * w, *x.shape[4:])[:, :, :T] for x in parts)
+    window = tuple(x.flatten(2, 3)[:, :, :T] for x in parts)                # (B, H, T, ..)
     if not n_sinks:
-        return num, den, m
+        return window
     i = torch.arange(T, device=q.device)[:, None]                            # (T, 1) queries
     j = torch.arange(n_sinks, device=q.device)                               # (N,) sink keys
     outside = ~_in_window(i, j, w, causal) & ((i >= j) | (not causal))       # (T, N)
     sinks = _window_softmax(q, k[:, :, :n_sinks], v[:, :, :n_sinks],
                             outside & keys[:, None, None, :n_sinks])          # mask (B, 1, T, N)
-    return _merge((num, den, m), sinks)
+    return _merge(window, sinks)
 
 def _shift(x, w, fill=0.0):
     """x_t <- x_{t - w} along time (dim 2); the first w positions filled."""
@@ -135,10 +135,9 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     not the linear part. phi_q None: sliding-window softmax alone (with its sinks); phi_k: 0 at
     padding keys (c_k NO_KEY). O(T window + T F D / chunk) memory. Returns y and each row's share of
     attention on the softmax part (combine_window_linear)."""
-    B, _, T, _ = q.shape
+    T = q.shape[2]
     n_sinks = min(spec.sinks, T)
-    keys = key_padding_mask if key_padding_mask is not None else \
-        q.new_ones(B, T, dtype=torch.bool)
+    keys = _real(q, key_padding_mask)
     num_w, den_w, _ = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
         return divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
@@ -146,37 +145,36 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     phi_k = acc(phi_k) * ~is_sink[:, None]
     if spec.delta:   # the delta rule (causal) over the keys that left the window; c_k: their gates
         shifted = (_shift(x, spec.window) for x in (phi_k, v, c_k))   # gates 0: beta 0, alpha 1
-        y_l = A.delta_rule(phi_q, *shifted, spec.impl, chunk_size)[0]
-        den_l = torch.ones_like(y_l[..., 0])                           # (its read needs no z)
-        y, share = combine_window_linear(num_w, den_w, y_l, den_l, None, factor, spec.combine)
-        return y.to(v.dtype), share
-    c_k = c_k.masked_fill(is_sink, NO_KEY)
-    linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
-    if not causal:   # plus the keys j >= i + window: the same, backwards in time
-        flipped = (x.flip(2) for x in (phi_q, phi_k, v, c_k))
-        back = _linear_part(*flipped, spec.window, spec.impl, chunk_size)
-        linear = _merge(linear, [x.flip(2) for x in back])
-    num_l, den_l, m_l = linear
-    y, share = combine_window_linear(num_w, den_w, num_l, den_l, c_q + m_l, factor,
-                                     spec.combine)
+        num_l = A.delta_rule(phi_q, *shifted, spec.impl, chunk_size)[0]
+        den_l = torch.ones_like(num_l[..., 0])                         # (its read needs no z)
+        c = None                                                       # (mix: not read)
+    else:
+        c_k = c_k.masked_fill(is_sink, NO_KEY)
+        linear = _linear_part(phi_q, phi_k, v, c_k, spec.window, spec.impl, chunk_size)
+        if not causal:   # plus the keys j >= i + window: the same, backwards in time
+            flipped = (x.flip(2) for x in (phi_q, phi_k, v, c_k))
+            back = _linear_part(*flipped, spec.window, spec.impl, chunk_size)
+            linear = _merge(linear, [x.flip(2) for x in back])
+        num_l, den_l, m_l = linear
+        c = c_q + m_l
+    y, share = combine_window_linear(num_w, den_w, num_l, den_l, c, factor, spec.combine)
     return y.to(v.dtype), share
 
 def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     """Softmax within blocks of `block` tokens (the last maybe shorter): LLN+Diag, Nahshan et al.
     2023, Sec. 4.2."""
-    B, H, T, D = q.shape
+    B, _, T, _ = q.shape
     # pad: to a whole number of blocks
     n = math.ceil(T / block)
     pad = -T % block
-    qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).reshape(B, H, n, block,
-                                                     t.shape[-1]) for t in (q, k, v))
-    keys = q.new_ones(B, T, dtype=torch.bool) if key_padding_mask is None else key_padding_mask
+    qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).unflatten(2, (n, block)) for t in (q, k, v))
+    keys = _real(q, key_padding_mask)
     mask = nnf.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
-    mask = mask & q.new_ones(block, block, dtype=torch.bool).tril() if causal else mask
-    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)  # a padded query sees itself:
-                                                                       # finite
-    return nnf.scaled_dot_product_attention(qb, kb, vb,
-                                            attn_mask=mask).reshape(B, H, n * block, -1)[:, :, :T]
+    if causal:
+        mask = mask & A.causal_mask(block, block, q.device)
+    # a padded query sees itself: finite
+    mask = mask | torch.eye(block, dtype=torch.bool, device=q.device)
+    return nnf.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).flatten(2, 3)[:, :, :T]
 
 # ---- 2. the states' parts, and what every state offers ---------------------------
 @dataclass(frozen=True)
@@ -275,14 +273,13 @@ class Empty:
 
 def state_tensors(state):
     """The tensors of a decode state (or a list of them), in order, nested states included."""
-    if isinstance(state, (list, tuple)):
+    if hasattr(state, '__dataclass_fields__'):   # a state: its fields, in order
+        state = list(vars(state).values())
+    if torch.is_tensor(state):
+        yield state
+    elif isinstance(state, (list, tuple)):
         for s in state:
             yield from state_tensors(s)
-    elif torch.is_tensor(state):
-        yield state
-    elif hasattr(state, '__dataclass_fields__'):
-        for f in fields(state):
-            yield from state_tensors(getattr(state, f.name))
 
 def state_nbytes(state):
     """Bytes held by a decode state (or a list of them, one per layer), all KV capacity included."""
@@ -313,7 +310,7 @@ def _cloned(state):
     if torch.is_tensor(state):
         return state.detach().clone()
     if hasattr(state, '__dataclass_fields__'):
-        return replace(state, **{f.name: _cloned(getattr(state, f.name)) for f in fields(state)})
+        return replace(state, **{name: _cloned(x) for name, x in vars(state).items()})
     return state
 
 def copy_state_(dst, src):
@@ -372,7 +369,7 @@ class Attention(nn.Module):
                                # exact)
             s = A.AttnSpec.parse(spec)
             n_kv = n_heads // max(kv_groups, 1)
-            all_exact = bool(s.exact) and {int(h) for h in s.exact.split('+')} >= set(range(n_kv))
+            all_exact = len(exact_heads(s, n_kv, causal, True)) == n_kv   # (nope's check: __init__)
             cls = Softmax if all_exact or (s.name == 'softmax' and not s.window) else \
                 Lola if s.cache else Window if s.window else Diag if s.diag_block else Linear
         return super().__new__(cls)
@@ -463,8 +460,8 @@ class Attention(nn.Module):
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for identity values."""
-        eye = torch.eye(k.shape[-2], device=k.device).expand(*k.shape[:2], -1, -1)
-        return self(q.float(), k.float(), eye, key_padding_mask=key_padding_mask)
+        k = k.float()
+        return self(q.float(), k, A.identity_values(k), key_padding_mask=key_padding_mask)
 
     def map_inputs(self, q, k, start=0, back=0):
         """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position
@@ -558,8 +555,8 @@ class KVCache:
         cap = max(capacity, self.k.shape[2])
         n = self.n
 
-        def grown(x):
-            return torch.cat([x[:, :, :n], x.new_zeros(*x.shape[:2], cap - n, x.shape[3])], 2)
+        def grown(x):   # the first n tokens, then zeros up to cap
+            return nnf.pad(x[:, :, :n], (0, 0, 0, cap - n))
         return KVCache(grown(self.k), grown(self.v), self.pos.clone(), n, [n], static)
 
     def append(self, k, v):
@@ -633,7 +630,9 @@ class Linear(Attention):
 
     def _from(self, q, k, v, st, key_padding_mask=None):
         """Tokens after state st (None: from the start), all at once."""
-        (n, pos), T = (0, None) if st is None else (st.n, st.pos), q.shape[2]
+        n = 0 if st is None else st.n
+        pos = None if st is None else st.pos
+        T = q.shape[2]
         phi_q, phi_k, _, c_k = self._features(q, k, n, key_padding_mask, pos)
         pos = _position(q, n + T) if pos is None else pos + T
         if self.spec.delta:   # c_k: the keys' gates
@@ -656,7 +655,7 @@ def fusable(core):
     fm = core.fmap
     spec = core.spec
     D = core.head_dim
-    L = core.spec.sinks + core.window
+    L = spec.sinks + core.window
     why = "LoLA's cache (cache=) has none" if spec.cache else \
         'the delta rule has none' if spec.delta else \
         'a window without a map (softmax) has none' if fm is None or not core.fuses else \
@@ -689,7 +688,8 @@ def fused_step(core, q, k, v, st):
     kernels.decode_step: the same output and state."""
     window = isinstance(st, WindowState)
     fm = core.fmap
-    lin, slots = (st.linear, st.slots) if window else (st, None)
+    lin = st.linear if window else st
+    slots = st.slots if window else None
     if core.spec.nope and core.inv_freq.device != q.device:
         core.inv_freq = core.inv_freq.to(q.device)
     y, (S, z, m), ring = kernels.decode_step(
@@ -747,7 +747,10 @@ class Window(Attention):
 
     def _state(self, k, v, phi_k, c_k):
         """The decode state after tokens k, v (B, H, T, D) with their features (or None)."""
-        (B, H, T, D), g, W, N = k.shape, self.kv_groups, self.window, self.spec.sinks
+        B, H, T, D = k.shape
+        g = self.kv_groups
+        W = self.window
+        N = self.spec.sinks
         # (B, H_kv, T, D)
         k1 = k[:, ::g]
         v1 = v[:, ::g]
@@ -843,7 +846,7 @@ class Window(Attention):
         T = q.shape[2]
         real = _real(q, key_padding_mask)
         j = torch.arange(T, device=q.device)
-        seen = A.causal_mask(T, T, q.device) if self.causal else q.new_ones(T, T, dtype=torch.bool)
+        seen = A.causal_mask(T, T, q.device) | (not self.causal)
         # (T, T)
         soft = (_in_window(j[:, None], j, self.window, self.causal) | (j < self.spec.sinks)) & seen
         total = 0.0
@@ -853,7 +856,7 @@ class Window(Attention):
             rows = real[b] & (visible & ~soft).any(-1)   # real rows that also see keys of the
                                                          # linear part
             w = A.softmax_weights(q[b:b + 1], k[b:b + 1], attn_mask=visible)[0]   # (H, T, T)
-            total = total + (w * soft).sum(-1)[:, rows].double().sum(-1)         # (H,)
+            total += (w * soft).sum(-1)[:, rows].double().sum(-1)                # (H,)
             n += int(rows.sum())
         if n:
             self.window_factor.copy_(torch.logit((total / n).clamp(1e-4, 1 - 1e-4)))
@@ -874,7 +877,9 @@ class Diag(Linear):
     decode = Attention.decode   # tokens after a state: one step each
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
-        (T, b), g = (q.shape[2], self.spec.diag_block), self.kv_groups
+        T = q.shape[2]
+        b = self.spec.diag_block
+        g = self.kv_groups
         y, linear = super().parallel(q, k, v, key_padding_mask, return_state)
         y = 0.5 * (y + block_diagonal_softmax(q, k, v, b, self.causal, key_padding_mask))
         if not (return_state and self.causal):
@@ -906,8 +911,9 @@ class Pairs:
         return self.k.shape[2]
 
     def _map(self, fn, other=None):
-        xs = [getattr(self, f.name) for f in fields(self)]
-        ys = [getattr(other, f.name) for f in fields(other)] if other is not None else [None] * 4
+        """fn(x, y) on each field x of self (None stays) and y of other (None: y is x)."""
+        xs = vars(self).values()
+        ys = vars(self if other is None else other).values()
         return Pairs(*(None if x is None else fn(x, y) for x, y in zip(xs, ys)))
 
     def cat(self, other):
@@ -920,8 +926,7 @@ class Pairs:
         """The pairs idx (B, H_kv, n) of each KV head (its query heads: the same pairs)."""
         def gather(x):   # along time; idx per KV head, or repeated to the query heads
             i = idx if x.shape[1] == idx.shape[1] else idx.repeat_interleave(g, 1)
-            i = i.view(*i.shape, *[1] * (x.dim() - 3)).expand(*i.shape, *x.shape[3:])
-            return x.gather(2, i)
+            return torch.take_along_dim(x, i.view(*i.shape, *[1] * (x.dim() - 3)), 2)
         return self._map(lambda x, _: gather(x))
 
 @dataclass(frozen=True)
@@ -959,11 +964,13 @@ class Lola(Window):
     fuses = False
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
-        (B, H, _, D), Dv, g, F = q.shape, v.shape[-1], self.kv_groups, self.fmap.feature_dim
-        none = Pairs(q.new_zeros(B, H // g, 0, D), q.new_zeros(B, H // g, 0, Dv))
+        B, H = q.shape[:2]
+        g = self.kv_groups
+        F = self.fmap.feature_dim
+        none = Pairs(k[:, ::g, :0], v[:, ::g, :0])   # no pairs: 0 tokens of the KV heads
         with_phi = replace(none, phi=q.new_zeros(B, H, 0, F), c=q.new_zeros(B, H, 0))
         return self.decode(q, k, v, LolaState(0, none, with_phi, with_phi,
-                                              LinearState.empty(B, H, F, Dv, q)))
+                                              LinearState.empty(B, H, F, v.shape[-1], q)))
 
     def decode(self, q, k, v, state):
         C = self.spec.cache_block
@@ -976,8 +983,8 @@ class Lola(Window):
             qs, ks, vs = (x[:, :, t:t + n] for x in (q, k, v))
             y, share, phi_k, c_k = self._segment(qs, ks, vs, state)
             state = self._update(self._push(state, ks, vs, phi_k, c_k))
-            ys = ys + [y]
-            shares = shares + [share]
+            ys.append(y)
+            shares.append(share)
             t = t + n
         self.share = torch.cat(shares, 2).detach()
         return torch.cat(ys, 2), state
@@ -1007,9 +1014,10 @@ class Lola(Window):
         are fewer than spec.sinks, the others to the buffer."""
         s = min(max(self.spec.sinks - st.offset, 0), k.shape[2])
         g = self.kv_groups
-        sinks = st.sinks.cat(Pairs(k[:, ::g, :s], v[:, ::g, :s]))
-        rest = Pairs(k[:, ::g, s:], v[:, ::g, s:], phi_k[:, :, s:], c_k[:, :, s:])
-        return replace(st, offset=st.offset + k.shape[2], sinks=sinks, buffer=st.buffer.cat(rest))
+        new = Pairs(k[:, ::g], v[:, ::g], phi_k, c_k)
+        sinks = st.sinks.cat(new.cut(0, s))   # (the sinks keep no phi, c)
+        buffer = st.buffer.cat(new.cut(s))
+        return replace(st, offset=st.offset + k.shape[2], sinks=sinks, buffer=buffer)
 
     def _update(self, st):
         """Once the buffer holds window - 1 + C tokens, its first C leave the softmax part: they and
