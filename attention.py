@@ -802,12 +802,12 @@ def delta_rule(phi_q, phi_k, v, gates, impl='chunked', chunk_size=64, S=None):
     return _delta_chunked(q, k, v, gates, S, chunk_size)
 
 # ---- 5. metrics and DoF's kernel loss ---------------------------------------
-def as_distribution(w, eps=1e-12):
+def as_distribution(w):
     """Attention weights (.., T) as a distribution per row, float32: their positive part,
     renormalised. No change for softmax's and a sum's (distributions already); the delta rule's
     (section 4b) may be negative and need not sum to 1."""
     w = w.float().clamp_min(0)
-    return w / w.sum(-1, keepdim=True).clamp_min(eps)
+    return w / w.sum(-1, keepdim=True).clamp_min(1e-12)
 
 def attention_entropy(w, eps=1e-12):
     """Row entropies -sum_j w_ij log w_ij in nats: (B, H, T, T) -> (B, H, T) (Hedgehog Fig. 4), of

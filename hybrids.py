@@ -338,8 +338,8 @@ def exact_heads(spec, n_kv, causal, has_rope):
     for bad, why in ((exact and exact[-1] >= n_kv, f"exact names KV heads of 0..{n_kv - 1}"),
                      (spec.cache and not causal,
                       "the sparse cache follows the tokens (causal models only)"),
-                     (spec.decay and not causal, "a decay weighs the past (causal models only)"),
-                     (spec.delta and not causal, "the delta rule writes in order (causal only)"),
+                     (spec.decay + spec.delta and not causal,
+                      "a decay or the delta rule follows the tokens (causal models only)"),
                      (spec.nope and not has_rope, "nope undoes RoPE, and this model has none")):
         if bad:
             raise UsageError(f"attention spec '{spec}': {why}")

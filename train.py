@@ -1093,7 +1093,7 @@ def curves(rows, key, out_dir):
     except ImportError:
         return print("matplotlib not installed: no compare.png")
     plt.switch_backend('Agg')
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plt.subplots()
     for spec, s in rows:
         ax.plot([e['iter'] for e in s['evals']], [e[key] for e in s['evals']], 'o-', label=spec)
     ax.set(xlabel='step', ylabel=key)

@@ -144,7 +144,7 @@ def test_delta_spec_refusals(spec, why):
 
 
 def test_delta_is_refused_in_a_bidirectional_layer():
-    with pytest.raises(A.UsageError, match='the delta rule writes in order'):
+    with pytest.raises(A.UsageError, match='a decay or the delta rule follows the tokens'):
         Hy.Attention('hedgehog:delta=1', D, H, causal=False)
 
 
