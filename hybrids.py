@@ -828,6 +828,8 @@ class Window(Attention):
             p = f.where(den > 0, 1.0)
         y = torch.lerp((num / den[..., None]).nan_to_num(), y_w, p[..., None])
         if st.n - back < N:   # the leaving token may come before the sinks' end: its slot empty
+            # (the linear part holds no token yet then: a delta rule's gates masked so, alpha 0 and
+            # a key of 0, leave its S at 0, as the parallel form's sinks do)
             phi_k = phi_k * real
             c_k = c_k.masked_fill(~real, NO_KEY)
         linear = st.linear.add(phi_k, v_out, c_k if self.shifted else None)
