@@ -76,8 +76,8 @@ def load(args, causal_for=None, with_tokenizer=True):
     block_size = model.config.block_size
     if causal_for and model.config.family == 'bert':
         raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
-    if args.context > block_size:
-        raise UsageError(f'--context {args.context} > model block_size {block_size}')
+    if args.context > block_size and not model.rope:   # RoPE runs past its trained length
+        raise UsageError(f'--context {args.context} > block_size {block_size} (learned positions)')
     if causal_for == 'generate' and args.max_new_tokens > block_size:
         raise UsageError(f'--max_new_tokens {args.max_new_tokens} > model block_size {block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None

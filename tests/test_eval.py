@@ -157,6 +157,29 @@ def test_ppl_report(tmp_path, capsys):
     assert all(' tokens/s | eta ' in x for x in lines)
 
 
+def test_ppl_past_block_size_on_rope_only(tmp_path, capsys):
+    """Issue 60: a RoPE model is scored past its trained length (--context > block_size: 16K on SmolLM2, trained to
+    8K), equal to the direct log-softmax over one window; learned positions stop at block_size, in one line."""
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(family='llama', vocab_size=_vocab(), block_size=16, n_layer=2, n_head=2, n_kv_head=1,
+                      n_embd=32, bias=False, intermediate_size=64)
+    m = M.GPT(cfg).eval()
+    ckpt, out = str(tmp_path / 'rope.pt'), str(tmp_path / 'out')
+    M.save(ckpt, m)
+    ids = tokenizer.load_tokenizer('bytes').encode(TEXT)[:49]
+    (tmp_path / 'short.txt').write_text(bytes(ids).decode())
+    assert _run(['--ckpt', ckpt, '--ppl', '--data', str(tmp_path / 'short.txt'), '--context', '48', '--stride', '48',
+                 '--out_dir', out]) == 0
+    x = torch.tensor(ids)
+    with torch.no_grad():
+        nll = -F.log_softmax(m(x[None, :-1])[0][0].double(), -1).gather(-1, x[1:, None]).mean().item()
+    assert _json(out, 'ppl')['ppl'] == pytest.approx(math.exp(nll), rel=1e-5)
+    _, gpt2 = _tiny_gpt(tmp_path, block_size=16)
+    capsys.readouterr()
+    assert ev.main(['--ckpt', gpt2, '--ppl', '--data', str(tmp_path / 'short.txt'), '--context', '48']) == 2
+    assert capsys.readouterr().err.strip() == 'eval.py: error: --context 48 > block_size 16 (learned positions)'
+
+
 def test_ppl_on_linear_checkpoint_dir(tmp_path):
     """--ckpt may be train.py's out_dir (holding ckpt.pt); a linear-attention model evaluates the same way."""
     d = tmp_path / 'run'
