@@ -387,7 +387,6 @@ class Attention(nn.Module):
         self.causal = causal
         self.kv_groups = kv_groups
         self.chunk_size = 64   # the linear paths' speed setting, not the outputs'
-        self.share = None
         exact = [] if len(exact) == n_kv else exact   # every head exact: the Softmax family
         heads = torch.arange(n_heads).view(n_kv, kv_groups)   # query heads by KV head
         self.exact_q = heads[exact].flatten().tolist()   # the query heads kept exact
@@ -451,12 +450,15 @@ class Attention(nn.Module):
         return y.to(v.dtype), state
 
     def decode(self, q, k, v, state):
-        """Tokens after a state, one step each (one token: the step's y, not a copy)."""
+        """Tokens after a state, one step each (one token: the step itself, with no slicing op: a
+        decode step's ops are counted, tests/test_model.py)."""
+        if q.shape[2] == 1:
+            return self.step(q, k, v, state)
         ys = []
         for t in range(q.shape[2]):
             y, state = self.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
             ys.append(y)
-        return (torch.cat(ys, 2) if len(ys) > 1 else ys[0]), state
+        return torch.cat(ys, 2), state
 
     def weights(self, q, k, key_padding_mask=None):
         """The (B, H, T, T) matrix this core applies, float32: its output for identity values."""
@@ -757,7 +759,7 @@ class Window(Attention):
         first = min(max(T - W + 1, N), T)                                   # the ring's first token
         kept = torch.cat([torch.arange(min(N, T), device=k.device),
                           torch.arange(first, T, device=k.device)])
-        slot = torch.where(kept < N, kept, N + kept % W)                    # the sinks, the ring
+        slot = kept.where(kept < N, N + kept % W)                           # the sinks, the ring
         slots = Slots.empty(k1, v1, N + W).write(slot, kept, k1[:, :, kept], v1[:, :, kept])
         linear = None
         if phi_k is not None:   # tokens sinks .. T - W are outside the next query's window: folded
@@ -821,9 +823,11 @@ class Window(Attention):
         num, den = st.linear.read(phi_q)                                   # (B, H, 1, D), (B, H, 1)
         # (H, 1), (B, H, 1)
         f = self.factor()[:, None]
-        if self.spec.combine == 'joint':   # (den 0: log inf, p 1)
-            c = c_q + st.linear.m[..., None]
-            p = torch.sigmoid(torch.log(f / (a.amax(-1) * den)) - c.to(den.dtype))
+        if self.spec.combine == 'joint':   # (den 0: log inf, p 1; c 0 for a map without shifts)
+            p = torch.log(f / (a.amax(-1) * den))
+            if self.shifted:
+                p -= (c_q + st.linear.m[..., None]).to(den.dtype)
+            p = p.sigmoid()
         else:
             p = f.where(den > 0, 1.0)
         y = torch.lerp((num / den[..., None]).nan_to_num(), y_w, p[..., None])

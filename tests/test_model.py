@@ -715,9 +715,10 @@ def test_pytorch_step_issues_few_ops(capsys):
     """Issue 64: one PyTorch decode step (eager, no fused kernel) of a 2-layer Llama of SmolLM2's
     head shape (9 query, 3 KV heads of 64), batch 1, in steady state (a step after the first: the
     softmax KV cache has room), the logits' argmax included as eval.bench_decode counts it, issues
-    at most 1.75x the softmax step's top-level aten ops (eval.step_ops) with lolcats:window=64
-    (1.68x; 2.15x before issue 64) and 1.95x with an exact KV head (1.89x; 2.39x before). Printed
-    as a table (pytest -s)."""
+    at most 1.65x the softmax step's top-level aten ops (eval.step_ops) with lolcats:window=64
+    (1.62x; 1.68x before a one-token decode ran the step unsliced and a map without shifts skipped
+    the joint normaliser's c; 2.15x before issue 64) and 1.85x with an exact KV head (1.83x; 2.39x
+    before). Printed as a table (pytest -s)."""
     import eval as ev
     counts = {}
     for spec in ('softmax', 'hedgehog', 'lolcats:window=64', 'lolcats:window=64:exact=0'):
@@ -733,8 +734,8 @@ def test_pytorch_step_issues_few_ops(capsys):
     with capsys.disabled():
         print('\n' + '\n'.join(f'{s:28s} {n:4d} {n / counts["softmax"]:.3f}x'
                                 for s, n in counts.items()))
-    assert counts['lolcats:window=64'] <= 1.75 * counts['softmax']
-    assert counts['lolcats:window=64:exact=0'] <= 1.95 * counts['softmax']
+    assert counts['lolcats:window=64'] <= 1.65 * counts['softmax']
+    assert counts['lolcats:window=64:exact=0'] <= 1.85 * counts['softmax']
 
 
 @pytest.mark.parametrize('spec', ['lolcats:window=4:sinks=1', 'lolcats:window=4:exact=0', 'lln:diag_block=3',
