@@ -217,13 +217,15 @@ class SelfAttention(nn.Module):
         nh = self.n_head
         nkv = self.n_kv_head
         hs = self.head_dim
-        q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
+
+        def heads(t, n):   # (B, T, n * hs) -> (B, n, T, hs)
+            return t.view(B, T, n, hs).transpose(1, 2)
+        q = heads(self.q_proj(x), nh)
         k = self.k_proj(x)                                      # (B, T, nkv * hs)
         conv_past = None
         if self.k_conv is not None:
             k, conv_past = self.k_conv(k, state and state.conv)
-        k = k.view(B, T, nkv, hs).transpose(1, 2)               # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        k, v = heads(k, nkv), heads(self.v_proj(x), nkv)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
@@ -525,15 +527,14 @@ class GPT(Transformer):
                 f"cached generation needs {T0 + max_new_tokens - 1} positions, more than "
                 f"block_size={cfg.block_size} (learned positions); "
                 "generate fewer or use use_cache=False (crops)")
-        eos = None   # eos_token_id as a (n,) tensor
-        if eos_token_id is not None:
-            eos = torch.as_tensor(eos_token_id, device=idx.device).view(-1)
+        eos = (None if eos_token_id is None   # eos_token_id as a (n,) tensor
+               else torch.as_tensor(eos_token_id, device=idx.device).view(-1))
         finished = idx.new_zeros(B, dtype=torch.bool)
         out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], 1)   # the tokens, preallocated
         states = graph = None
         for t in range(T0, T0 + max_new_tokens):   # t: the position of the token generated
             if not use_cache:
-                logits = self(out[:, 0 if self.rope else max(t - cfg.block_size, 0):t])[0][:, -1, :]
+                logits = self(out[:, 0 if self.rope else max(t - cfg.block_size, 0):t])[0][:, -1]
             elif states is None:
                 logits, states = self.prefill(idx)
                 pos = idx.new_full((1,), T0, dtype=torch.long)   # the next input's
@@ -546,10 +547,10 @@ class GPT(Transformer):
                 pos = pos + 1
             nxt = sample(logits, temperature, top_k)
             if eos is not None:
-                nxt = torch.where(finished, eos[0], nxt)
+                nxt = eos[0].where(finished, nxt)
                 finished |= torch.isin(nxt, eos)
             out[:, t] = nxt
-            if eos is not None and bool(finished.all()):
+            if eos is not None and finished.all():
                 return out[:, :t + 1]
         return out
 
@@ -753,8 +754,8 @@ def save(path, model, base=None, keep=(), tensors=None, **extra):
     new = new_tensor_names(model)[0]
     sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model, tensors).items()
           if base is None or k in new or any(k.startswith(p) for p in keep)}
-    tok = model.tokenizer.spec if model.tokenizer is not None else None
-    obj = dict(config=asdict(model.config), model=sd, tokenizer=tok,
+    obj = dict(config=asdict(model.config), model=sd,
+               tokenizer=model.tokenizer and model.tokenizer.spec,
                base=base and str(base), extra=extra)
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1078,9 +1079,8 @@ def gguf_config_to_kwargs(reader, path):
     names = {t.name for t in reader.tensors}
     scaling = get('llama.rope.scaling.type', 'none')
     if 'rope_freqs.weight' in names or scaling not in ('none', 'linear'):
-        what = repr(scaling)
-        if scaling == 'none':
-            what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)'
+        what = ('per-frequency factors (rope_freqs.weight, Llama 3.1)' if scaling == 'none'
+                else repr(scaling))
         raise UsageError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")
     # the vocabulary size when llama.vocab_size is absent
     tokens = reader.fields.get('tokenizer.ggml.tokens')
