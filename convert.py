@@ -318,8 +318,8 @@ def transfer_loss(core, q, k, v, mask, weights):
         k = k[:, core.rest_q]
         # the kernel unnormalised: the features with their shifts undone
         phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))
-        phi_q = phi_q * torch.exp(c_q)[..., None]
-        phi_k = phi_k * torch.exp(c_k)[..., None]
+        phi_q = phi_q * c_q.exp()[..., None]
+        phi_k = phi_k * c_k.exp()[..., None]
         if mask is not None:
             phi_k = phi_k * mask[:, None, :, None]
         loss += weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)

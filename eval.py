@@ -543,8 +543,8 @@ def fidelity_stats(q, k, maps, causal=True):
     (softmax first, without KL)."""
     weights = {'softmax': attention.softmax_weights(q, k, causal=causal).float(),
                **{name: fn(q, k).float() for name, fn in maps.items()}}
-    stats = {name: {'kl': attention.kl_divergence(weights['softmax'], w).mean(dim=(0, 2)),
-                    'entropy': attention.attention_entropy(w).mean(dim=(0, 2)),
+    stats = {name: {'kl': attention.kl_divergence(weights['softmax'], w).mean((0, 2)),
+                    'entropy': attention.attention_entropy(w).mean((0, 2)),
                     'monotonicity':
                         attention.monotonicity(w, q, k, causal=causal)[0].float().mean(0)}
              for name, w in weights.items()}
@@ -764,7 +764,7 @@ def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
             core.fmap.calibrate(q, k)
             res[label].setdefault('alpha', []).append(core.fmap.alpha_beta()[0].item())
         w = core.weights(q, k).double()
-        bits = attention.attention_entropy(w).mean(dim=(1, 2)) / math.log(2)   # (seeds,)
+        bits = attention.attention_entropy(w).mean((1, 2)) / math.log(2)   # (seeds,)
         gap = attention.spectral_gap(w)[:, 0]                                 # (seeds,)
         for key, std_key, v in (('entropy_bits', 'entropy_std', bits),
                                 ('spectral_gap', 'spectral_gap_std', gap)):

@@ -153,7 +153,7 @@ class ShortConv(nn.Module):
     def forward(self, x, past=None):
         """x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)."""
         xx = (F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None
-              else torch.cat([past.to(x.dtype), x], dim=1))           # (B, K-1+T, C)
+              else torch.cat([past.to(x.dtype), x], 1))           # (B, K-1+T, C)
         # (B, C, T) (padding 1, then dropped: T = 0 too)
         y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), padding=1,
                      groups=x.size(-1))[..., 1:-1]
@@ -558,12 +558,12 @@ def sample(logits, temperature=1.0, top_k=None):
     """The next token per row from logits (B, vocab): argmax at temperature 0, else a draw from
     softmax(logits / temperature) over the top_k tokens."""
     if temperature == 0.0:
-        return logits.argmax(dim=-1)                                # (B,)
+        return logits.argmax(-1)                                    # (B,)
     logits = logits.float() / temperature
     if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        v = logits.topk(min(top_k, logits.size(-1))).values
         logits = logits.masked_fill(logits < v[:, [-1]], float('-inf'))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+    return torch.multinomial(logits.softmax(-1), num_samples=1).squeeze(1)
 
 class DecodeGraph:
     """GPT.decode_step captured once as a CUDA graph and replayed for every token.

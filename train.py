@@ -65,8 +65,7 @@ def _comments(cls):
     """{field: its comment in cls's source, continued on comment-only lines aligned with it}: the
     flags' help."""
     helps = {}
-    last = None
-    col = -1
+    last = None   # the field whose comment continues (col: its column)
     for line in inspect.getsource(cls).splitlines():
         code, _, comment = line.partition('#')
         if ':' in code and '=' in code:
@@ -262,14 +261,14 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
         raise UsageError(
             f"seq_len={seq_len} leaves no room for key-value pairs and {n_queries} queries")
     keys = torch.randint(0, nk, (n, (ctx_len + 1) // 2), generator=g)
-    kv_map = torch.argsort(torch.rand(n, nk, generator=g), dim=1) + nk   # (n, nk): key -> value
-    vals = torch.gather(kv_map, 1, keys)
-    ctx = torch.stack([keys, vals], dim=2).reshape(n, -1)[:, :ctx_len]
+    kv_map = torch.rand(n, nk, generator=g).argsort(1) + nk   # (n, nk): key -> value
+    vals = kv_map.gather(1, keys)
+    ctx = torch.stack([keys, vals], 2).reshape(n, -1)[:, :ctx_len]
     # complete pairs' keys
-    queries = torch.gather(keys, 1, torch.randint(0, n_pairs, (n, n_queries), generator=g))
-    x = torch.cat([ctx, queries], dim=1)
+    queries = keys.gather(1, torch.randint(0, n_pairs, (n, n_queries), generator=g))
+    x = torch.cat([ctx, queries], 1)
     y = torch.full_like(x, -100)
-    y[:, ctx_len:] = torch.gather(kv_map, 1, queries)
+    y[:, ctx_len:] = kv_map.gather(1, queries)
     if label_repeats:
         seen = torch.zeros(n, nk, dtype=torch.bool)
         rows = torch.arange(n)
