@@ -567,8 +567,8 @@ def finetune(model, module, task, cfg, rt):
 
     def batch(g):   # a retrieval sample at --passkey_mix's rate, else the task's
         if cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix:
-            block = cfg.passkey_block or cfg.block_size
-            return passkey_batch(model.tokenizer, g, block, cfg.batch_size)
+            return passkey_batch(model.tokenizer, g, cfg.passkey_block or cfg.block_size,
+                                 cfg.batch_size)
         return task.next_batch(g)
     out = train.fit(module, params, train.task_loss, batch, _schedule(cfg, cfg.stage2_iters, lr),
                     rt, log_name='stage2.jsonl')

@@ -181,7 +181,7 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x):
         update = F.linear(F.linear(x, self.lora_A), self.lora_B)    # x A^T B^T
-        return F.linear(x, self.weight, self.bias) + update * self.scaling
+        return super().forward(x) + update * self.scaling   # the base Linear's x W^T + b
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, "
@@ -257,8 +257,8 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(C, H, b)
             self.down_proj = nn.Linear(H, C, b)
         else:
-            self.c_fc = nn.Linear(C, H, bias=b)
-            self.c_proj = nn.Linear(H, C, bias=b)
+            self.c_fc = nn.Linear(C, H, b)
+            self.c_proj = nn.Linear(H, C, b)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):

@@ -587,8 +587,9 @@ def collate_glue(encoded, labels):
         idx[i, :len(ids)] = torch.tensor(ids)
         tt[i, :len(types)] = torch.tensor(types)
         mask[i, :len(ids)] = 1
-    regression = isinstance(labels[0], float)
-    return idx, mask, tt, torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
+    # float labels: a regression's
+    return idx, mask, tt, torch.tensor(
+        labels, dtype=torch.float32 if isinstance(labels[0], float) else torch.long)
 
 class Classifier(nn.Module):
     """Sequence classification around a GPT: BERT family -> model.classify (pooled [CLS]); causal
