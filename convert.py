@@ -40,7 +40,7 @@ import attention as A
 from attention import UsageError
 import model as M
 import train
-from train import num
+from train import log, num
 
 LORA_LR = 1e-3                  # stage 2's learning rate with LoRA,
 FULL_LR = 3e-4                  # and for a full finetune
@@ -309,20 +309,20 @@ def transfer_loss(core, q, k, v, mask, weights):
     if weights.get('ce'):
         w = core.weights(q, k, key_padding_mask=mask)
         ce = -(w_t * w.clamp(min=1e-12).log()).sum(-1)                           # (B, H, T)
-        loss = loss + weights['ce'] * _row_mean(ce, mask)
+        loss += weights['ce'] * _row_mean(ce, mask)
     if weights.get('mse'):
         err = (core(q, k, v, key_padding_mask=mask) - y_t).square().mean(-1)     # (B, H, T)
-        loss = loss + weights['mse'] * _row_mean(err, mask)
+        loss += weights['mse'] * _row_mean(err, mask)
     if weights.get('l2'):   # (only for the KERNEL_MAPS: loss_weights), on the heads with a map
         q = q[:, core.rest_q]
         k = k[:, core.rest_q]
         # the kernel unnormalised: the features with their shifts undone
         phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))
-        phi_q = phi_q * torch.exp(c_q)[..., None]
-        phi_k = phi_k * torch.exp(c_k)[..., None]
+        phi_q = phi_q * c_q.exp()[..., None]
+        phi_k = phi_k * c_k.exp()[..., None]
         if mask is not None:
             phi_k = phi_k * mask[:, None, :, None]
-        loss = loss + weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)
+        loss += weights['l2'] * A.kernel_l2(phi_q, phi_k, q, k, causal=core.causal)
     return loss
 
 # ---- data and evaluation -----------------------------------------------------
@@ -364,8 +364,8 @@ def evaluate(model, module, task, cfg, rt, layers):
         ids = task.splits['val'][:cfg.eval_batches * cfg.batch_size * T + 1]
         out['quality'] = train.perplexity(model, ids, T, T, rt.device, cfg.batch_size)
     cores = model.attention_cores()
-    kl = {l: 0.0 for l in layers}
-    mse = {l: 0.0 for l in layers}
+    kl = dict.fromkeys(layers, 0.0)
+    mse = dict.fromkeys(layers, 0.0)
     sels = task.eval_batches('val', FIDELITY_BATCHES) if layers else []
     batches = [task.batch('val', s) for s in sels]
     for b in batches:
@@ -467,7 +467,7 @@ def swap(model, cfg, layers, qk):
                    exact_heads=exact_heads(scores, cfg.exact_heads, cfg.exact_rank, cfg.seed))
         specs.update({l: replace(specs[l], exact='+'.join(map(str, h)))
                       for l, h in out['exact_heads'].items()})
-        print(f"exact KV heads ({cfg.exact_rank}): {out['exact_heads']}", flush=True)
+        log(f"exact KV heads ({cfg.exact_rank}): {out['exact_heads']}")
     for l, s in specs.items():   # (set_attention: on the model's device)
         model.set_attention(s, [l])
         model.attention_cores()[l].calibrate(*qk[l])   # LLN's moments, the 'mix' window share
@@ -498,8 +498,8 @@ def transfer(model, task, cfg, rt, layers):
     params = [p for l in layers for n, p in cores[l].named_parameters()
               if n.startswith('fmap.') or w.get('ce') or w.get('mse')]
     if not params or not cfg.stage1_iters:
-        print("stage 1: skipped" + ('' if cfg.stage1_iters else ' (0 steps)')
-              + ('' if params else ' (the map has no trainable parameters)'), flush=True)
+        log("stage 1: skipped" + ('' if cfg.stage1_iters else ' (0 steps)')
+            + ('' if params else ' (the map has no trainable parameters)'))
         return None
     model.requires_grad_(False)
     for p in params:
@@ -567,8 +567,8 @@ def finetune(model, module, task, cfg, rt):
 
     def batch(g):   # a retrieval sample at --passkey_mix's rate, else the task's
         if cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix:
-            block = cfg.passkey_block or cfg.block_size
-            return passkey_batch(model.tokenizer, g, block, cfg.batch_size)
+            return passkey_batch(model.tokenizer, g, cfg.passkey_block or cfg.block_size,
+                                 cfg.batch_size)
         return task.next_batch(g)
     out = train.fit(module, params, train.task_loss, batch, _schedule(cfg, cfg.stage2_iters, lr),
                     rt, log_name='stage2.jsonl')
@@ -583,7 +583,7 @@ def add_lora(model, cfg):
         torch.manual_seed(cfg.seed)
         targets = [f'{t}_proj' for t in cfg.lora_targets.split(',')]
         names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank, targets)
-    print(f"stage 2: LoRA rank {cfg.lora_rank} on {len(names)} modules", flush=True)
+    log(f"stage 2: LoRA rank {cfg.lora_rank} on {len(names)} modules")
     return model
 
 def shard(model, cfg, rt):
@@ -648,14 +648,14 @@ def run(cfg):
     shard(model, cfg, rt) if cfg.fsdp else module.to(rt.device)
     calib = [task.next_batch(torch.Generator().manual_seed(cfg.seed + i))
              for i in range(CALIB_BATCHES)]
-    print(f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of "
-          f"{c.head_dim}) to {cfg.spec} on layers {layers}; loss {cfg.weights}", flush=True)
+    log(f"converting {cfg.init_from} ({c.family}, {c.n_layer} layers, {c.n_head} heads of "
+        f"{c.head_dim}) to {cfg.spec} on layers {layers}; loss {cfg.weights}")
     teacher = evaluate(model, module, task, cfg, rt, []).get('quality')
     summary = dict(config=asdict(cfg), attn=str(cfg.spec), family=c.family, layers=layers,
                    loss_weights=cfg.weights, teacher=teacher, stages={})
     if cfg.task == 'lm' and teacher:
         summary['unigram'] = unigram_loss(task.splits['train'], task.splits['val'], c.vocab_size)
-    print("== teacher: " + ' | '.join(numbers(teacher)), flush=True)
+    log("== teacher: " + ' | '.join(numbers(teacher)))
     if cfg.spec != A.AttnSpec():   # plain softmax: the control run, stage 2 on the teacher itself
         summary.update(swap(model, cfg, layers, teacher_qk(model, calib, layers, rt)))
     stages = {'swap': lambda: {},
@@ -668,8 +668,8 @@ def run(cfg):
         rec = summary['stages'][name] = dict(fit, **evaluate(model, module, task, cfg, rt, layers))
         kl = ' '.join(f"L{l}={v:.3f}" for l, v in rec['kl_layers'].items())
         mse = f"output MSE {rec['mse_mean']:.4g}"
-        print(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats [{kl}], "
-              + ' | '.join([mse] + numbers(rec.get('quality'))), flush=True)
+        log(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats [{kl}], "
+            + ' | '.join([mse] + numbers(rec.get('quality'))))
     return save_conversion(model, cfg, rt, summary, t_start)
 
 def save_conversion(model, cfg, rt, summary, t_start):
@@ -691,7 +691,7 @@ def save_conversion(model, cfg, rt, summary, t_start):
            keep=('classifier.',), tensors=tensors)
     summary['seconds'] = round(time.time() - t_start, 1)
     train.write_json(os.path.join(cfg.out_dir, 'summary.json'), summary)
-    print(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)", flush=True)
+    log(f"saved {cfg.out_dir}/ckpt.pt and summary.json ({summary['seconds']:.0f} s)")
     return summary
 
 def held(model, rt):
@@ -736,8 +736,8 @@ def report(dirs):
         cells += [fmt(100 * (u - q['nll']) / (u - t['nll'])
                       if q and u and 'nll' in q and u > t['nll'] else None, '.1f')
                   for q in quality[2:]]   # recovery after stages 1 and 2
-        name = os.path.basename(os.path.normpath(d))
-        rows.append(f"| {name} | {s['attn']} | {' | '.join(cells)} | {s['seconds']:.0f} s |")
+        rows.append(f"| {os.path.basename(os.path.normpath(d))} | {s['attn']} | "
+                    f"{' | '.join(cells)} | {s['seconds']:.0f} s |")
     return '\n'.join(rows)
 
 def main(argv=None):

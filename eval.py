@@ -33,7 +33,7 @@ from attention import UsageError
 import model as M
 import tokenizer
 import train
-from train import num
+from train import log, num
 
 REPORTS = ['ppl', 'glue', 'rouge', 'generate', 'fidelity', 'bench', 'lln', 'lm_eval', 'passkey']
 # --bench parts and their default lengths
@@ -50,8 +50,6 @@ SAMSUM_PROMPT = "Summarize this dialog:\n{dialogue}\n---\nSummary:\n"
 DEFAULT_PROMPTS = ('The capital of France is Paris. The capital of Germany is',
                    'Water boils at a temperature of',
                    'Once upon a time, in a small village,')
-
-log = functools.partial(print, flush=True)
 
 # ---- loading -----------------------------------------------------------------
 def load_model(ckpt, device='cpu', attn=''):
@@ -119,7 +117,7 @@ def report_ppl(args):
                seconds=round(time.time() - t0, 2), softmax_share=shares)
     log(f'perplexity {res["ppl"]:.3f} (mean NLL {res["nll"]:.4f} nats/token) over '
         f'{res["tokens_scored"]:,} tokens, context {context}, stride {res["stride"]}, '
-        f'{res["windows"]} windows, {res["seconds"]} s' + describe_shares(shares))
+        f'{res["windows"]} windows, {res["seconds"]} s{describe_shares(shares)}')
     return res
 
 @contextlib.contextmanager
@@ -474,7 +472,7 @@ def report_passkey(args):
         prompt = next(r['input'] for r in prompts if (r['length'], r['depth']) == (L, 50))
         with torch.no_grad(), softmax_shares(model) as shares[L]:
             model(torch.tensor([tok.encode(prompt)], device=args.device))
-        log(f'{L} tokens, depth 50 %' + describe_shares(shares[L]))
+        log(f'{L} tokens, depth 50 %{describe_shares(shares[L])}')
     plt = pyplot()
     if plt:
         fig, ax = plt.subplots(figsize=(4.5, 3))
@@ -545,8 +543,8 @@ def fidelity_stats(q, k, maps, causal=True):
     (softmax first, without KL)."""
     weights = {'softmax': attention.softmax_weights(q, k, causal=causal).float(),
                **{name: fn(q, k).float() for name, fn in maps.items()}}
-    stats = {name: {'kl': attention.kl_divergence(weights['softmax'], w).mean(dim=(0, 2)),
-                    'entropy': attention.attention_entropy(w).mean(dim=(0, 2)),
+    stats = {name: {'kl': attention.kl_divergence(weights['softmax'], w).mean((0, 2)),
+                    'entropy': attention.attention_entropy(w).mean((0, 2)),
                     'monotonicity':
                         attention.monotonicity(w, q, k, causal=causal)[0].float().mean(0)}
              for name, w in weights.items()}
@@ -766,7 +764,7 @@ def lln_fig2(head_dim=64, tokens=256, grid=(1.0, 2.0, 4.0), seeds=3, seed=0):
             core.fmap.calibrate(q, k)
             res[label].setdefault('alpha', []).append(core.fmap.alpha_beta()[0].item())
         w = core.weights(q, k).double()
-        bits = attention.attention_entropy(w).mean(dim=(1, 2)) / math.log(2)   # (seeds,)
+        bits = attention.attention_entropy(w).mean((1, 2)) / math.log(2)   # (seeds,)
         gap = attention.spectral_gap(w)[:, 0]                                 # (seeds,)
         for key, std_key, v in (('entropy_bits', 'entropy_std', bits),
                                 ('spectral_gap', 'spectral_gap_std', gap)):
@@ -914,7 +912,7 @@ def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,),
     rows = []
     own = specs if model is None else [(describe_attention(model), None)]
     for label, spec in [('softmax', attention.AttnSpec())] * (model is None or teacher) + own:
-        m = model if model is not None else bench_model(spec, max(lengths) + 1, 1, 2, 128, device)
+        m = model or bench_model(spec, max(lengths) + 1, 1, 2, 128, device)
         # capture_qkv for its teacher mode only: no layer recorded
         with m.capture_qkv(layers=(), teacher=model is not None and label == 'softmax'):
             for B, L in itertools.product(batches, lengths):
@@ -1018,11 +1016,9 @@ def report_bench(args):
                 f'teacher; greedy, mean of {DECODE_STEPS} steps after prefill')
             mine = describe_attention(model)
         log(f'{part}: {mine} vs softmax at lengths {lengths}')
-        if part == 'decode':
-            res[part] = bench_decode(lengths, specs, args.device, model, args.teacher, batches,
-                                     args.graph)
-        else:
-            res[part] = bench_forward(part, lengths, specs, args.device)
+        res[part] = (bench_decode(lengths, specs, args.device, model, args.teacher, batches,
+                                  args.graph) if part == 'decode'
+                     else bench_forward(part, lengths, specs, args.device))
     md = bench_markdown(res)
     res['table'] = os.path.join(args.out_dir, 'bench.md')
     with open(res['table'], 'w') as f:

@@ -153,7 +153,7 @@ class ShortConv(nn.Module):
     def forward(self, x, past=None):
         """x (B, T, C); past (B, K-1, C): the inputs before x (None = zeros)."""
         xx = (F.pad(x, (0, 0, self.kernel_size - 1, 0)) if past is None
-              else torch.cat([past.to(x.dtype), x], dim=1))           # (B, K-1+T, C)
+              else torch.cat([past.to(x.dtype), x], 1))           # (B, K-1+T, C)
         # (B, C, T) (padding 1, then dropped: T = 0 too)
         y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype).unsqueeze(1), padding=1,
                      groups=x.size(-1))[..., 1:-1]
@@ -181,7 +181,7 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x):
         update = F.linear(F.linear(x, self.lora_A), self.lora_B)    # x A^T B^T
-        return F.linear(x, self.weight, self.bias) + update * self.scaling
+        return super().forward(x) + update * self.scaling   # the base Linear's x W^T + b
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, "
@@ -217,13 +217,15 @@ class SelfAttention(nn.Module):
         nh = self.n_head
         nkv = self.n_kv_head
         hs = self.head_dim
-        q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
+
+        def heads(t, n):   # (B, T, n * hs) -> (B, n, T, hs)
+            return t.view(B, T, n, hs).transpose(1, 2)
+        q = heads(self.q_proj(x), nh)
         k = self.k_proj(x)                                      # (B, T, nkv * hs)
         conv_past = None
         if self.k_conv is not None:
             k, conv_past = self.k_conv(k, state and state.conv)
-        k = k.view(B, T, nkv, hs).transpose(1, 2)               # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        k, v = heads(k, nkv), heads(self.v_proj(x), nkv)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
@@ -255,8 +257,8 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(C, H, b)
             self.down_proj = nn.Linear(H, C, b)
         else:
-            self.c_fc = nn.Linear(C, H, bias=b)
-            self.c_proj = nn.Linear(H, C, bias=b)
+            self.c_fc = nn.Linear(C, H, b)
+            self.c_proj = nn.Linear(H, C, b)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -525,15 +527,14 @@ class GPT(Transformer):
                 f"cached generation needs {T0 + max_new_tokens - 1} positions, more than "
                 f"block_size={cfg.block_size} (learned positions); "
                 "generate fewer or use use_cache=False (crops)")
-        eos = None   # eos_token_id as a (n,) tensor
-        if eos_token_id is not None:
-            eos = torch.as_tensor(eos_token_id, device=idx.device).view(-1)
+        eos = (None if eos_token_id is None   # eos_token_id as a (n,) tensor
+               else torch.as_tensor(eos_token_id, device=idx.device).view(-1))
         finished = idx.new_zeros(B, dtype=torch.bool)
         out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], 1)   # the tokens, preallocated
         states = graph = None
         for t in range(T0, T0 + max_new_tokens):   # t: the position of the token generated
             if not use_cache:
-                logits = self(out[:, 0 if self.rope else max(t - cfg.block_size, 0):t])[0][:, -1, :]
+                logits = self(out[:, 0 if self.rope else max(t - cfg.block_size, 0):t])[0][:, -1]
             elif states is None:
                 logits, states = self.prefill(idx)
                 pos = idx.new_full((1,), T0, dtype=torch.long)   # the next input's
@@ -546,10 +547,10 @@ class GPT(Transformer):
                 pos = pos + 1
             nxt = sample(logits, temperature, top_k)
             if eos is not None:
-                nxt = torch.where(finished, eos[0], nxt)
+                nxt = eos[0].where(finished, nxt)
                 finished |= torch.isin(nxt, eos)
             out[:, t] = nxt
-            if eos is not None and bool(finished.all()):
+            if eos is not None and finished.all():
                 return out[:, :t + 1]
         return out
 
@@ -557,12 +558,12 @@ def sample(logits, temperature=1.0, top_k=None):
     """The next token per row from logits (B, vocab): argmax at temperature 0, else a draw from
     softmax(logits / temperature) over the top_k tokens."""
     if temperature == 0.0:
-        return logits.argmax(dim=-1)                                # (B,)
+        return logits.argmax(-1)                                    # (B,)
     logits = logits.float() / temperature
     if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        v = logits.topk(min(top_k, logits.size(-1))).values
         logits = logits.masked_fill(logits < v[:, [-1]], float('-inf'))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+    return torch.multinomial(logits.softmax(-1), num_samples=1).squeeze(1)
 
 class DecodeGraph:
     """GPT.decode_step captured once as a CUDA graph and replayed for every token.
@@ -753,8 +754,8 @@ def save(path, model, base=None, keep=(), tensors=None, **extra):
     new = new_tensor_names(model)[0]
     sd = {k: v.detach().cpu().contiguous() for k, v in _own_tensors(model, tensors).items()
           if base is None or k in new or any(k.startswith(p) for p in keep)}
-    tok = model.tokenizer.spec if model.tokenizer is not None else None
-    obj = dict(config=asdict(model.config), model=sd, tokenizer=tok,
+    obj = dict(config=asdict(model.config), model=sd,
+               tokenizer=model.tokenizer and model.tokenizer.spec,
                base=base and str(base), extra=extra)
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1078,9 +1079,8 @@ def gguf_config_to_kwargs(reader, path):
     names = {t.name for t in reader.tensors}
     scaling = get('llama.rope.scaling.type', 'none')
     if 'rope_freqs.weight' in names or scaling not in ('none', 'linear'):
-        what = repr(scaling)
-        if scaling == 'none':
-            what = 'per-frequency factors (rope_freqs.weight, Llama 3.1)'
+        what = ('per-frequency factors (rope_freqs.weight, Llama 3.1)' if scaling == 'none'
+                else repr(scaling))
         raise UsageError(f"{path}: RoPE scaling {what} is not supported; supported: none, linear")
     # the vocabulary size when llama.vocab_size is absent
     tokens = reader.fields.get('tokenizer.ggml.tokens')

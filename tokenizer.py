@@ -183,8 +183,8 @@ class HFTokenizer(Tokenizer):
         try:
             vocab = {t: i for i, t in enumerate(tokens)}
             pairs = [tuple(m.split(' ', 1)) for m in merges]
-            bpe = models.BPE(vocab, pairs, ignore_merges=pre.startswith('llama'))
-            tk = tokenizers.Tokenizer(bpe)
+            tk = tokenizers.Tokenizer(
+                models.BPE(vocab, pairs, ignore_merges=pre.startswith('llama')))
         except Exception as e:  # tokenizers' message names the merge
             raise TokenizerError(f"GGUF vocabulary: {e}") from None
         tk.pre_tokenizer = pre_tokenizers.Sequence([

@@ -18,6 +18,7 @@ N(0, 0.08) weights, an untied head (--init wide).
 import argparse
 import contextlib
 import csv
+import functools
 import glob
 import inspect
 import itertools
@@ -57,14 +58,14 @@ GLUE_TASKS = {  # task -> (text_a columns, text_b columns, number of labels (1 =
     'stsb': (('sentence1',), ('sentence2',), 1), 'qqp': (('question1',), ('question2',), 2),
     'mnli': (('premise', 'sentence1'), ('hypothesis', 'sentence2'), 3),
     'qnli': (('question',), ('sentence',), 2), 'rte': (('sentence1',), ('sentence2',), 2)}
+log = functools.partial(print, flush=True)   # a line shown at once (progress; convert.py, eval.py)
 
 # ---- the command line: a dataclass whose fields are the flags ----------------
 def _comments(cls):
     """{field: its comment in cls's source, continued on comment-only lines aligned with it}: the
     flags' help."""
     helps = {}
-    last = None
-    col = -1
+    last = None   # the field whose comment continues (col: its column)
     for line in inspect.getsource(cls).splitlines():
         code, _, comment = line.partition('#')
         if ':' in code and '=' in code:
@@ -260,14 +261,14 @@ def make_associative_recall(n, seq_len=128, vocab=40, seed=0, n_queries=1, label
         raise UsageError(
             f"seq_len={seq_len} leaves no room for key-value pairs and {n_queries} queries")
     keys = torch.randint(0, nk, (n, (ctx_len + 1) // 2), generator=g)
-    kv_map = torch.argsort(torch.rand(n, nk, generator=g), dim=1) + nk   # (n, nk): key -> value
-    vals = torch.gather(kv_map, 1, keys)
-    ctx = torch.stack([keys, vals], dim=2).reshape(n, -1)[:, :ctx_len]
+    kv_map = torch.rand(n, nk, generator=g).argsort(1) + nk   # (n, nk): key -> value
+    vals = kv_map.gather(1, keys)
+    ctx = torch.stack([keys, vals], 2).reshape(n, -1)[:, :ctx_len]
     # complete pairs' keys
-    queries = torch.gather(keys, 1, torch.randint(0, n_pairs, (n, n_queries), generator=g))
-    x = torch.cat([ctx, queries], dim=1)
+    queries = keys.gather(1, torch.randint(0, n_pairs, (n, n_queries), generator=g))
+    x = torch.cat([ctx, queries], 1)
     y = torch.full_like(x, -100)
-    y[:, ctx_len:] = torch.gather(kv_map, 1, queries)
+    y[:, ctx_len:] = kv_map.gather(1, queries)
     if label_repeats:
         seen = torch.zeros(n, nk, dtype=torch.bool)
         rows = torch.arange(n)
@@ -282,10 +283,8 @@ def get_tokenizer(name='', model=None, verbose=True):
     """A run's tokenizer: `name` ('bytes', 'gpt2', a HF folder or .gguf file) if given, else
     `model`'s own (tokenizer.resolve: checked to fit it), else bytes -- from scratch, one command,
     one model on every machine."""
-    if model is None:
-        tok = tokenizer_lib.load_tokenizer(name or 'bytes')
-    else:
-        tok = tokenizer_lib.resolve(model, name or None)
+    tok = (tokenizer_lib.load_tokenizer(name or 'bytes') if model is None
+           else tokenizer_lib.resolve(model, name or None))
     if verbose:
         print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}")
     return tok
@@ -572,7 +571,7 @@ class GlueEncoder:
             tok = get_tokenizer('' if tok == 'scratch' else tok, verbose=False)
         self.tok = tok
         self.seq_len = seq_len
-        self.name = self.tok.name
+        self.name = tok.name
         if verbose:
             print(f"glue tokenizer: {self.name}, vocab {self.tok.vocab_size}")
 
@@ -588,8 +587,9 @@ def collate_glue(encoded, labels):
         idx[i, :len(ids)] = torch.tensor(ids)
         tt[i, :len(types)] = torch.tensor(types)
         mask[i, :len(ids)] = 1
-    regression = isinstance(labels[0], float)
-    return idx, mask, tt, torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
+    # float labels: a regression's
+    return idx, mask, tt, torch.tensor(
+        labels, dtype=torch.float32 if isinstance(labels[0], float) else torch.long)
 
 class Classifier(nn.Module):
     """Sequence classification around a GPT: BERT family -> model.classify (pooled [CLS]); causal
@@ -621,17 +621,15 @@ class Classifier(nn.Module):
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
     """Mean row entropy (nats) of the attention matrices core.weights(q, k) of every layer and head
     on inputs x (Hedgehog Fig. 4). -> (the mean over all rows, over the rows in query_positions)."""
-    ents = []
-    ents_q = []
+    ents = []   # (B, H, T) per batch and layer
     cores = model.attention_cores()
     for i in range(0, len(x), batch_size):
         with model.capture_qkv() as rec:
             model(x[i:i + batch_size])
         for layer, (q, k, _, _) in rec.items():
-            ent = attention.attention_entropy(cores[layer].weights(q, k)).double()   # (B, H, T)
-            ents.append(ent.flatten())
-            ents_q.append(ent[..., query_positions].flatten())
-    return torch.cat(ents).mean().item(), torch.cat(ents_q).mean().item()
+            ents.append(attention.attention_entropy(cores[layer].weights(q, k)).double())
+    ent = torch.cat(ents)
+    return ent.mean().item(), ent[..., query_positions].mean().item()
 
 # ---- the training loop -------------------------------------------------------
 def _fmt_time(s):
@@ -648,8 +646,8 @@ def progress(what, done, before, total, t0, unit='tokens'):
     of total."""
     if done * 10 // max(total, 1) > before * 10 // max(total, 1):
         dt = time.time() - t0
-        print(f"{what}: {done:,}/{total:,} {unit} | {done / max(dt, 1e-9):,.1f} {unit}/s | "
-              f"eta {_fmt_time(dt * (total - done) / max(done, 1))}", flush=True)
+        log(f"{what}: {done:,}/{total:,} {unit} | {done / max(dt, 1e-9):,.1f} {unit}/s | "
+            f"eta {_fmt_time(dt * (total - done) / max(done, 1))}")
 
 def get_lr(cfg, it):
     """Linear warmup, then cosine decay from cfg.lr to cfg.lr * cfg.min_lr_ratio at cfg.max_iters
@@ -772,9 +770,8 @@ def _progress(step, loss, lr, tokens, clock, cfg):
     if step % max(1, cfg.max_iters // 10) and step != cfg.max_iters:
         return clock
     dt = (time.time() - clock[0]) / max(step - clock[1], 1)   # seconds a step since the last line
-    eta = _fmt_time(dt * (cfg.max_iters - step))
-    print(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
-          f"{_rate(tokens / max(dt, 1e-9))} tok/s | eta {eta}", flush=True)
+    log(f"step {step}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
+        f"{_rate(tokens / max(dt, 1e-9))} tok/s | eta {_fmt_time(dt * (cfg.max_iters - step))}")
     return time.time(), step
 
 def _evaluate(module, evaluate, step, saved, cfg, rt):
@@ -785,7 +782,7 @@ def _evaluate(module, evaluate, step, saved, cfg, rt):
     if not all(math.isfinite(v) for v in est.values()):
         raise NonFiniteLoss('evaluation loss', est, step, saved, cfg, rt)
     if est:
-        print(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()), flush=True)
+        log(f"eval step {step}: " + ', '.join(f"{k} {v:.4f}" for k, v in est.items()))
     return est
 
 def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None, save=None,
@@ -821,8 +818,8 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
     est = {}                      # the last evaluation
     evals = []                    # every evaluation, with its step
     saved = resume is not None    # a checkpoint stands (NonFiniteLoss says which)
-    log = _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else None
-    with log or contextlib.nullcontext():
+    log_file = _open_log(os.path.join(cfg.out_dir, log_name), step) if rt.master else None
+    with log_file or contextlib.nullcontext():
         while step < cfg.max_iters:
             lr = get_lr(cfg, step)
             for g in opt.param_groups:
@@ -840,10 +837,10 @@ def fit(module, params_or_optimizer, loss_fn, next_batch, cfg, rt, evaluate=None
             step += 1
             if not rt.master:
                 continue
-            log.write(json.dumps({'iter': step - 1, 'loss': loss, 'lr': lr}) + '\n')
+            log_file.write(json.dumps({'iter': step - 1, 'loss': loss, 'lr': lr}) + '\n')
             clock = _progress(step, loss, lr, tokens, clock, cfg)
             if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_iters:
-                log.flush()
+                log_file.flush()
                 est = _evaluate(module, evaluate, step, saved, cfg, rt)
                 evals.append({'iter': step, **est})
                 if save:   # the state that `resume` continues from exactly (_start)
@@ -990,8 +987,7 @@ def _model_and_task(cfg, explicit, verbose):
     tokenizer encodes the data; its attention is kept unless --attn is given), or from scratch
     (bytes for text/glue)."""
     ckpt = os.path.join(cfg.out_dir, 'ckpt.pt')
-    model = None
-    state = None
+    model = state = None
     if cfg.resume:
         if not os.path.exists(ckpt):
             raise UsageError(f"--resume but there is no checkpoint {ckpt}")
@@ -1064,7 +1060,7 @@ def compare(cfg, explicit=frozenset()):
     rows = []
     t0 = time.time()
     for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
-        print(f"=== {spec} ===", flush=True)
+        log(f"=== {spec} ===")
         out_dir = os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', ''))
         one = replace(cfg, attn=spec, compare='', out_dir=out_dir)
         rows.append((spec, train(one, set(explicit) | {'attn'})))
