@@ -38,6 +38,7 @@ from torch.distributed.fsdp import fully_shard
 
 import attention as A
 from attention import UsageError
+import hybrids as H
 import model as M
 import train
 from train import log, num
@@ -317,7 +318,7 @@ def transfer_loss(core, q, k, v, mask, weights):
         q = q[:, core.rest_q]
         k = k[:, core.rest_q]
         # the kernel unnormalised: the features with their shifts undone
-        phi_q, phi_k, c_q, c_k = core.fmap.features(*core.map_inputs(q, k))
+        phi_q, phi_k, c_q, c_k = core.fmap.features(*H.map_inputs(core, q, k))
         phi_q = phi_q * c_q.exp()[..., None]
         phi_k = phi_k * c_k.exp()[..., None]
         if mask is not None:
@@ -452,7 +453,7 @@ def swap(model, cfg, layers, qk):
         pooled = {}
         for l in layers:   # (H, N, D): the real tokens, as the map sees them (nope: RoPE undone)
             q, k, real = qk[l]
-            seen = M.make_core(model.config, spec).map_inputs(q, k)
+            seen = H.map_inputs(M.make_core(model.config, spec), q, k)
             pooled[l] = tuple(x.transpose(1, 2)[real].transpose(0, 1)[:, :DOF_TOKENS].cpu()
                               for x in seen)
         clip = unit * model.config.head_dim if cfg.dof_clip else None

@@ -465,18 +465,6 @@ class Attention(nn.Module):
         k = k.float()
         return self(q.float(), k, A.identity_values(k), key_padding_mask=key_padding_mask)
 
-    def map_inputs(self, q, k, start=0, back=0):
-        """q, k (B, H, T, D) as the linear part's maps see them: with nope, rotated back to position
-        0 from positions start..start+T-1 (k's: `back` positions earlier); as given otherwise."""
-        if not self.spec.nope:
-            return q, k
-        if self.inv_freq.device != q.device:   # once per device, before any graph capture
-            self.inv_freq = self.inv_freq.to(q.device)
-        t = _positions(q, start)
-        angle = torch.stack([t, t - back])[..., None] * self.inv_freq   # (2, T, D/2)
-        angle = angle.repeat(1, 1, 2)[:, None, None]                     # (2, 1, 1, T, D)
-        return A.apply_rope(torch.stack([q, k]), angle.cos(), -angle.sin()).unbind(0)
-
     def _features(self, q, k, offset, key_padding_mask=None, pos=None, back=0):
         """fmap.features of q and k at positions from pos (a device tensor, in steps) or offset, k's
         `back` positions earlier (a window step's leaving key), padding keys removed (phi_k 0, c_k
@@ -487,7 +475,8 @@ class Attention(nn.Module):
         if self.fmap is None:
             return None, None, None, None
         start = offset if pos is None else pos   # the first token's position
-        q_in, k_in = self.map_inputs(q, k, start, back)
+        rows = self.shared.setdefault((offset, back, q.shape[2]), [])   # nope's (offset == pos)
+        q_in, k_in = map_inputs(self, q, k, start, back, rows)
         phi_q, phi_k, c_q, c_k = self.fmap.features(q_in, k_in, offset)
         if back and isinstance(self.fmap, A.CosformerFeatureMap):   # its features hold the position
             _, phi_k, _, c_k = self.fmap.features(k_in, k_in, offset - back)
@@ -507,7 +496,7 @@ class Attention(nn.Module):
         (B, T): True at real tokens), on the heads with a map (exact heads need nothing): LLN's
         statistics of the real tokens, as its maps see them (the Window family adds mix's share)."""
         if hasattr(self.fmap, 'calibrate'):
-            q, k = self.map_inputs(q[:, self.rest_q], k[:, self.rest_q])   # (B, H, T, D) each
+            q, k = map_inputs(self, q[:, self.rest_q], k[:, self.rest_q])   # (B, H, T, D) each
             real = _real(q, key_padding_mask)
             self.fmap.calibrate(*(x.transpose(1, 2)[real].transpose(0, 1)[None] for x in (q, k)))
 
@@ -517,6 +506,23 @@ def decay_g(core):
     prompt's keys and the decoded ones shift by one g (two g were off by |g32 - g64| t: 2.7e-4 at
     262K tokens)."""
     return torch.exp(core.decay_rate.float()).double()
+
+def map_inputs(core, q, k, start=0, back=0, rows=None):
+    """q, k (B, H, T, D) as core's linear-part maps see them: with spec nope, rotated back to
+    position 0 from positions start..start+T-1 (k's: `back` positions earlier); as given otherwise.
+    rows: a list that keeps the angles' cos and -sin once made (Attention._features passes a model
+    step's, so that its layers make them once, as they share the model's own RoPE rows)."""
+    if not core.spec.nope:
+        return q, k
+    rows = [] if rows is None else rows
+    if not rows:
+        if core.inv_freq.device != q.device:   # once per device, before any graph capture
+            core.inv_freq = core.inv_freq.to(q.device)
+        t = _positions(q, start)
+        angle = torch.stack([t, t - back])[..., None] * core.inv_freq   # (2, T, D/2)
+        angle = angle.repeat(1, 1, 2)[:, None, None]                     # (2, 1, 1, T, D)
+        rows += angle.cos(), -angle.sin()
+    return A.apply_rope(torch.stack([q, k]), *rows).unbind(0)
 
 def _positions(q, start):
     """The positions of q's tokens, (T,) long on q's device: from start (an int, or a (1,)

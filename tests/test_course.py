@@ -151,7 +151,7 @@ def graded():
 
 
 GRADED = graded()
-WRONG = {'hybrids.Attention.map_inputs': [('.repeat(1, 1, 2)', '.repeat_interleave(2, dim=-1)')],   # neighbours' RoPE
+WRONG = {'hybrids.map_inputs': [('.repeat(1, 1, 2)', '.repeat_interleave(2, dim=-1)')],   # neighbours' RoPE
          'attention.delta_step': [('v - recalled', 'v')]}   # the sum rule: S + beta k v^T
 
 
