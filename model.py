@@ -522,6 +522,8 @@ class GPT(Transformer):
         B, T0 = idx.size()
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not T0:   # (no logits to draw the first token from)
+            raise ValueError("generate needs a prompt of at least one token (e.g. end-of-text)")
         if use_cache and not self.rope and T0 + max_new_tokens - 1 > cfg.block_size:
             raise UsageError(
                 f"cached generation needs {T0 + max_new_tokens - 1} positions, more than "

@@ -396,6 +396,9 @@ def test_generate_eos_sampling_and_limits():
     with pytest.raises(ValueError, match='block_size=64'):
         model.generate(prompt, 61, temperature=0.0)
     assert model.generate(prompt, 61, temperature=0.0, use_cache=False).shape == (2, 66)
+    for use_cache in (True, False):   # an empty prompt: no logits for a first token (was an AttributeError)
+        with pytest.raises(ValueError, match='a prompt of at least one token'):
+            model.generate(prompt[:, :0], 3, use_cache=use_cache)
     assert not hasattr(tiny('bert'), 'generate')   # an encoder (model.Bert) has no LM head
 
 
