@@ -76,8 +76,6 @@ def load(args, causal_for=None, with_tokenizer=True):
         raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
     if args.context > block_size and not model.rope:   # RoPE runs past its trained length
         raise UsageError(f'--context {args.context} > block_size {block_size} (learned positions)')
-    if causal_for == 'generate' and args.max_new_tokens > block_size:
-        raise UsageError(f'--max_new_tokens {args.max_new_tokens} > model block_size {block_size}')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 def load_text(data):
@@ -1083,7 +1081,7 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
                                   # examples, generate prompts (with --context: N
                                   # passages, default 3), lm_eval documents per task;
                                   # passkey: samples per length and depth (default 6)
-    max_new_tokens: int = num(64, ge=0)   # rouge, generate (at most the model's block_size)
+    max_new_tokens: int = num(64, ge=0)   # rouge, generate (learned positions: within block_size)
     prompt: list[str] = field(default_factory=list)   # generate: a prompt (repeat
                                                       # the flag for several)
     maps: str = ''                # maps against softmax, with options (exp:t=2): bench

@@ -157,9 +157,10 @@ def test_ppl_report(tmp_path, capsys):
     assert all(' tokens/s | eta ' in x for x in lines)
 
 
-def test_ppl_past_block_size_on_rope_only(tmp_path, capsys):
+def test_ppl_and_generate_past_block_size_on_rope_only(tmp_path, capsys):
     """Issue 60: a RoPE model is scored past its trained length (--context > block_size: 16K on SmolLM2, trained to
-    8K), equal to the direct log-softmax over one window; learned positions stop at block_size, in one line."""
+    8K), equal to the direct log-softmax over one window, and generates past it (--max_new_tokens > block_size) as
+    model.generate does; learned positions stop at block_size, in one line each."""
     torch.manual_seed(0)
     cfg = M.GPTConfig(family='llama', vocab_size=_vocab(), block_size=16, n_layer=2, n_head=2, n_kv_head=1,
                       n_embd=32, bias=False, intermediate_size=64)
@@ -178,6 +179,12 @@ def test_ppl_past_block_size_on_rope_only(tmp_path, capsys):
     capsys.readouterr()
     assert ev.main(['--ckpt', gpt2, '--ppl', '--data', str(tmp_path / 'short.txt'), '--context', '48']) == 2
     assert capsys.readouterr().err.strip() == 'eval.py: error: --context 48 > block_size 16 (learned positions)'
+    assert _run(['--ckpt', ckpt, '--generate', '--prompt', 'ab', '--max_new_tokens', '24', '--out_dir', out]) == 0
+    want = m.generate(torch.tensor([list(b'ab')]), 24, temperature=0.0, eos_token_id=256)[0, 2:].tolist()
+    assert _json(out, 'generate')['samples'][0]['softmax']['text'] == bytes(t for t in want if t < 256).decode(
+        'utf-8', 'replace')
+    assert ev.main(['--ckpt', gpt2, '--generate', '--prompt', 'ab', '--max_new_tokens', '24']) == 2
+    assert 'needs 25 positions, more than block_size=16 (learned positions)' in capsys.readouterr().err
 
 
 def test_ppl_on_linear_checkpoint_dir(tmp_path):
