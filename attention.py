@@ -41,6 +41,11 @@ def acc(x):
     """x in the accumulation dtype: float32, or float64 when given float64 (the float64 checks)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
+def cast(x, dtype):
+    """x in dtype, with no op where it is already (a decode step's ops are counted,
+    tests/test_model.py)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
 def apply_rope(x, cos, sin):
     """RoPE (HF Llama's rotate_half layout): x (B, H, T, D) rotated by angles whose cos, sin are
     (T, D); with -sin, rotated back."""
@@ -118,7 +123,8 @@ class FeatureMap(nn.Module):
             k = acc(k)
             if not self.log_domain:
                 phi_q, phi_k = self._sides(self.phi, q, k, offset)
-                return phi_q, phi_k, *(x.new_zeros(x.shape[:-1]) for x in (phi_q, phi_k))   # c: 0
+                c = phi_q.new_zeros(phi_q.shape[:-1])   # c: 0, one tensor for sides of one shape
+                return phi_q, phi_k, c, c if q.shape == k.shape else phi_k.new_zeros(k.shape[:-1])
             u_q, u_k = self._sides(self.log_phi, q, k, offset)
             c_q, c_k = (u.detach().amax(-1) * self.shift for u in (u_q, u_k))
             return torch.exp(u_q - c_q[..., None]), torch.exp(u_k - c_k[..., None]), c_q, c_k
@@ -136,8 +142,8 @@ class FeatureMap(nn.Module):
 def _per_head_linear(x, weight, bias=None):
     """One Linear per head: x (..., H, T, D), weight (H, F, D), bias (H, F) -> (..., H, T, F), as
     one batched product over the heads (the weights are not copied: the rows of x are)."""
-    y = torch.einsum('...htd,hfd->...htf', x, weight.to(x.dtype))
-    return y if bias is None else y + bias.to(x.dtype)[:, None]
+    y = torch.einsum('...htd,hfd->...htf', x, cast(weight, x.dtype))
+    return y if bias is None else y + cast(bias, x.dtype)[:, None]
 
 class EluFeatureMap(FeatureMap):
     """phi(x) = 1 + ELU(x) (Katharopoulos et al. 2020, Eq. 7); F = D, no parameters."""

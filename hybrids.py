@@ -431,7 +431,7 @@ class Attention(nn.Module):
         ye, se = (softmax_decode(qe, ke, ve, state.exact) if state is not None else
                   softmax_prefill(qe, ke, ve, self.causal, key_padding_mask, return_state))
         yr, sr = self._run(qr, kr, vr, state and state.rest, return_state, key_padding_mask)
-        y = torch.cat([ye.to(yr.dtype), yr], 1).index_select(1, self.order_idx)   # head order
+        y = torch.cat([A.cast(ye, yr.dtype), yr], 1).index_select(1, self.order_idx)   # head order
         return (y, SplitState(se, sr)) if return_state else y
 
     def _run(self, q, k, v, state, return_state, key_padding_mask):
@@ -447,7 +447,7 @@ class Attention(nn.Module):
             y, state = self.parallel(q, k, v32, key_padding_mask,
                                      return_state) if state is None else \
                 self.decode(q, k, v32, state)
-        return y.to(v.dtype), state
+        return A.cast(y, v.dtype), state
 
     def decode(self, q, k, v, state):
         """Tokens after a state, one step each (one token: the step itself, with no slicing op: a
@@ -782,14 +782,16 @@ class Window(Attention):
         one or two batched ops over every head:
             y = y_l + p (y_w - y_l),  y_w = sum_j a_j v_j,  a_j = softmax_j(q.k_j / sqrt(D)) over
             the slots,  y_l = phi(q) S / phi(q).z,  p = sigmoid(log(gamma den_w / den) - c) (joint)
-            or s (mix)
+            or s (mix); joint without shifts (c = 0) is LoLCATs' Eq. 8 as written, each side
+            divided by den_w = 1 / max_j a_j:  y = (gamma y_w + r phi(q) S) / (gamma + r phi(q).z),
+            r = max_j a_j
         Line by line:
           at          what depends on the position alone, made by a model step's first window
                       layer, shared by the others (self.shared): slot, this token's (a sink's own
                       while pos < sinks, else sinks + pos % W); leaving, the slot of the token at
                       pos - back (back = W - 1), which leaves the window for the next query; filled,
                       the slots holding a token once this one is written (bias: 0 there, -inf at
-                      the empty ones; real: the leaving slot's); pos + 1
+                      the empty ones); pos + 1
           slots       k, v written first, then read (the leaving pair too: with W = 1, this one):
                       a step reads no slot's old contents that it overwrites, so on a static
                       state (written in place) it runs again the same, as a CUDA graph's warm-up
@@ -800,11 +802,12 @@ class Window(Attention):
                       last lines), its key's features made again (phi_k, c_k)
           num, den    the linear part, phi(q) S and phi(q).z over the tokens st holds (sinks ..
                       pos - W)
-          f, c, p     the softmax part's share: joint, gamma den_w against exp(c) den (gamma = f,
-                      c the linear sums' scale), in log space; mix, s = f; 1 where den = 0
-          y           y_l: num / den, 0 where den = 0 (there p = 1)
-          linear      the leaving pair folded into S and z (with real False, before the sinks'
-                      end: 0)."""
+          f, r, y     joint without shifts: Eq. 8 as written (gamma = f; den = 0: y = y_w)
+          c, p, y     otherwise, the softmax part's share: joint, gamma den_w against exp(c) den
+                      (c the linear sums' scale), in log space; mix, s = f; 1 where den = 0; y_l:
+                      num / den, 0 where den = 0
+          linear      the leaving pair folded into S and z (with real, the leaving slot's filled,
+                      False before the sinks' end: 0)."""
         W = self.window
         N = st.sinks
         g = self.kv_groups
@@ -812,11 +815,11 @@ class Window(Attention):
         at = (W, N, st.n, st.pos.device)   # (the window layers' only key in self.shared)
         if at not in self.shared:
             slot = st.pos if st.n < N else st.pos % W + N
-            leaving = (st.pos - back) % W + N
+            pos = st.pos + 1
+            leaving = pos % W + N          # (pos - back) % W
             filled = st.slots.pos.index_copy(0, slot, st.pos) >= 0
-            bias = torch.where(filled, 0.0, -math.inf)
-            self.shared[at] = slot, leaving, st.pos + 1, bias, filled[leaving]
-        slot, leaving, pos, bias, real = self.shared[at]
+            self.shared[at] = slot, leaving, pos, torch.where(filled, 0.0, -math.inf), filled
+        slot, leaving, pos, bias, filled = self.shared[at]
         slots = st.slots.write(slot, st.pos, k[:, ::g], v[:, ::g])
         kq, vq = (x.repeat_interleave(g, 1) for x in (slots.k, slots.v))   # (B, H, L, D)
         s = torch.einsum('bhtd,bhld->bhtl', q, kq)
@@ -827,19 +830,23 @@ class Window(Attention):
         k_out, v_out = (x.index_select(2, leaving) for x in (kq, vq))
         phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=back)
         num, den = st.linear.read(phi_q)                                   # (B, H, 1, D), (B, H, 1)
-        # (H, 1), (B, H, 1)
-        f = self.factor()[:, None]
-        if self.spec.combine == 'joint':   # (den 0: log inf, p 1; c 0 for a map without shifts)
-            p = torch.log(f / (a.amax(-1) * den))
-            if self.shifted:
-                p -= (c_q + st.linear.m[..., None]).to(den.dtype)
-            p = p.sigmoid()
-        else:
-            p = f.where(den > 0, 1.0)
-        y = torch.lerp((num / den[..., None]).nan_to_num(), y_w, p[..., None])
+        den = den[..., None]
+        f = self.factor().view(-1, 1, 1)                                   # (H, 1, 1)
+        joint = self.spec.combine == 'joint'
+        if joint and not self.shifted:   # Eq. 8, each side times max_j a_j = 1 / den_w (den 0: y_w)
+            r = a.amax(-1, keepdim=True)
+            y = torch.addcmul(r * num, f, y_w) / torch.addcmul(f, r, den)
+        else:   # y_l + p (y_w - y_l): joint's p in log space, where exp(c) may overflow; den 0: p 1
+            if joint:
+                c = (c_q + st.linear.m[..., None]).to(den.dtype)[..., None]   # (B, H, 1, 1)
+                p = torch.sigmoid(torch.log(f / (a.amax(-1, keepdim=True) * den)) - c)
+            else:
+                p = f.where(den > 0, 1.0)
+            y = torch.lerp((num / den).nan_to_num(), y_w, p)
         if st.n - back < N:   # the leaving token may come before the sinks' end: its slot empty
             # (the linear part holds no token yet then: a delta rule's gates masked so, alpha 0 and
             # a key of 0, leave its S at 0, as the parallel form's sinks do)
+            real = filled[leaving]
             phi_k = phi_k * real
             c_k = c_k.masked_fill(~real, NO_KEY)
         linear = st.linear.add(phi_k, v_out, c_k if self.shifted else None)
