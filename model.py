@@ -229,11 +229,11 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
-            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+            k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
         y = self.core(q, k, v, state and state.attn, return_state, key_padding_mask, shared)
         if return_state:   # the core's state, and the conv's last K-1 inputs
-            state = LayerState(y[1], conv_past)
-            y = y[0]
+            y, attn_state = y
+            state = LayerState(attn_state, conv_past)
         y = y.transpose(1, 2).reshape(B, T, nh * hs)            # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
 
@@ -250,7 +250,9 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, H, b = config.n_embd, config.intermediate_size, config.bias
+        C = config.n_embd
+        H = config.intermediate_size
+        b = config.bias
         self.family = config.family
         if config.family == 'llama':
             self.gate_proj = nn.Linear(C, H, b)
@@ -300,11 +302,12 @@ class Transformer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config, C, n_layer = config, config.n_embd, config.n_layer
+        self.config = config
+        C = config.n_embd
         self.rope = config.family == 'llama'
-        blocks = [Block(config, config.layer_attn.get(i, config.attn)) for i in range(n_layer)]
         modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout),
-                       h=nn.ModuleList(blocks))
+                       h=nn.ModuleList(Block(config, config.layer_attn.get(i, config.attn))
+                                       for i in range(config.n_layer)))
         if not self.rope:   # learned positions
             modules['wpe'] = nn.Embedding(config.block_size, C)
         if config.family == 'bert':   # token types; an embedding LayerNorm (post-LN: no final norm)
@@ -453,10 +456,10 @@ class Transformer(nn.Module):
         short convolution)."""
         structured = {id(p) for m in self.modules() if isinstance(m, (Attention, ShortConv))
                       for p in m.parameters()}
-        trainable = [p for p in self.parameters() if p.requires_grad]
         decayed = lambda p: p.dim() >= 2 and id(p) not in structured   # noqa: E731
-        groups = [{'params': [p for p in trainable if decayed(p) == d], 'weight_decay': wd}
-                  for d, wd in ((True, weight_decay), (False, 0.0))]   # decayed, then not
+        # the trainable parameters, decayed, then not
+        groups = [{'params': [p for p in self.parameters() if p.requires_grad and decayed(p) == d],
+                   'weight_decay': wd} for d, wd in ((True, weight_decay), (False, 0.0))]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
     @classmethod
