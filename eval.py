@@ -273,7 +273,7 @@ def report_rouge(args):
     return {'data': source, 'examples': len(rows), 'ckpt': args.ckpt,
             'attn': describe_attention(model), 'max_new_tokens': args.max_new_tokens,
             'prompt_template': SAMSUM_PROMPT, 'scores': scores,
-            'samples': [{'summary': s, 'generated': p} for s, p in list(zip(refs, preds))[:5]],
+            'samples': [{'summary': s, 'generated': p} for s, p in zip(refs[:5], preds)],
             'seconds': round(time.time() - t0, 2)}
 
 def generate_prompts(args, tok):
@@ -282,7 +282,7 @@ def generate_prompts(args, tok):
     From --data: with --context N, --limit (default 3) passages of N tokens at evenly spaced
     offsets (long prompts reach a window hybrid's linear part), else one per line."""
     if args.prompt or not args.data:
-        return args.prompt or list(DEFAULT_PROMPTS)
+        return args.prompt or DEFAULT_PROMPTS
     text = load_text(args.data)[0]
     if not args.context:
         return [p for p in text.splitlines() if p.strip()][:args.limit or None]
@@ -471,8 +471,7 @@ def report_passkey(args):
         with torch.no_grad(), softmax_shares(model) as shares[L]:
             model(torch.tensor([tok.encode(prompt)], device=args.device))
         log(f'{L} tokens, depth 50 %{describe_shares(shares[L])}')
-    plt = pyplot()
-    if plt:
+    if plt := pyplot():
         fig, ax = plt.subplots(figsize=(4.5, 3))
         fig.colorbar(ax.imshow(acc, vmin=0, vmax=1, cmap='RdYlGn', aspect='auto'))
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)),
@@ -601,7 +600,7 @@ def report_fidelity(args):
         first.append({name: w[0] for name, w in weights.items()})     # sample 0, for the figures
     for s in summary.values():
         s.update({k.replace('per_layer', 'mean'): statistics.mean(v for v in per if v is not None)
-                  for k, per in list(s.items())})
+                  for k, per in s.items()})
     log(f'{"map":32s} {"KL(softmax||map)":>16s} {"entropy":>9s} {"monotonicity":>12s}  '
         '(mean: layers, heads, rows)')
     for name, s in summary.items():
@@ -671,8 +670,7 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     for key, title, yscale in (
             ('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
             ('kl_per_layer', 'KL(softmax || map) per layer', 'log')):
-        series = {name: list(zip(*[(li, max(v, 1e-8))
-                                   for li, v in enumerate(s[key]) if v is not None]))
+        series = {name: zip(*[(li, max(v, 1e-8)) for li, v in enumerate(s[key]) if v is not None])
                   for name, s in summary.items() if key in s}
         panels.append({'series': series, 'title': title, 'xlabel': 'layer', 'yscale': yscale,
                        'xticks': range(len(layers))})
@@ -715,9 +713,8 @@ def fidelity_scatter(out_dir, qk, weights, li, h, causal):
     T = q.shape[-2]
     rows = torch.arange(max(T - SCATTER_ROWS, 0), T)
     scores = (q[0, 0, rows].double() @ k[0, 0].double().T) * q.shape[-1] ** -0.5    # (R, T)
-    vis = torch.ones_like(scores, dtype=torch.bool)   # the keys each row sees
-    if causal:
-        vis = torch.arange(T)[None, :] <= rows[:, None]
+    vis = (torch.arange(T)[None, :] <= rows[:, None] if causal   # the keys each row sees
+           else torch.ones_like(scores, dtype=torch.bool))
     fig, axes = plt.subplots(1, len(weights), figsize=(2.6 * len(weights), 2.6), squeeze=False)
     for c, (name, w) in enumerate(weights.items()):
         rho = attention.monotonicity(w[h][None, None], q, k, causal=causal)[0]
@@ -1034,7 +1031,7 @@ def bench_figure(res, out_dir):
     for row, p in itertools.product((0, 1), [p for p in BENCH_TABLES if res.get(p)]):
         x = BENCH_TABLES[p][0]
         y = BENCH_TABLES[p][1][row]   # its time or memory
-        series = {a: list(zip(*[(r[x], max(r[y] or 0, 1e-3)) for r in res[p] if r['attn'] == a]))
+        series = {a: zip(*[(r[x], max(r[y] or 0, 1e-3)) for r in res[p] if r['attn'] == a])
                   for a in dict.fromkeys(r['attn'] for r in res[p])}
         panels.append({'series': series, 'title': f'{p}: {y}', 'xlabel': x,
                        'xscale': 'log', 'yscale': 'log'})
