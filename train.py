@@ -686,16 +686,16 @@ def setup(device='auto', dtype='auto', grad_accum=1):
     if dtype == 'auto':   # bf16 (or fp16) on CUDA, else fp32
         dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if cuda else 'float32'
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    autocast = torch.autocast('cuda', getattr(torch, dtype)) if cuda and dtype != 'float32' else \
-        contextlib.nullcontext()
-    return Runtime(ddp, rank, world, rank == 0, device, dtype, autocast)
+    return Runtime(ddp, rank, world, rank == 0, device, dtype,   # and autocast:
+                   torch.autocast('cuda', getattr(torch, dtype)) if cuda and dtype != 'float32'
+                   else contextlib.nullcontext())
 
 def _start(params_or_optimizer, cfg, rt, resume):
     """(optimizer, grad scaler, data-stream generator, step): fresh, or continued from a
     checkpoint's state."""
     opt = params_or_optimizer
     if not isinstance(opt, torch.optim.Optimizer):
-        opt = torch.optim.AdamW(list(opt), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(opt, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
     scaler = torch.amp.GradScaler('cuda', enabled=rt.dtype == 'float16')
     gen = torch.Generator().manual_seed(cfg.seed)     # the one batch stream of every process
     step = int(resume['iter_num']) if resume else 0
@@ -754,11 +754,9 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
 class NonFiniteLoss(RuntimeError):
     def __init__(self, what, value, step, saved, cfg, rt):
         # saved: the last checkpoint's path, True (one was loaded to resume) or None
+        kept = "no checkpoint was written"
         if saved:
-            where = '' if saved is True else ' ' + saved
-            kept = f"the last good checkpoint{where} was kept"
-        else:
-            kept = "no checkpoint was written"
+            kept = f"the last good checkpoint{'' if saved is True else ' ' + saved} was kept"
         super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. "
                          f"Try a lower --lr (now {cfg.lr:g}), --dtype float32 (now {rt.dtype}), "
                          "or a numerically stable feature map (hedgehog with its softmax over the "
