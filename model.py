@@ -179,9 +179,8 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=base.weight.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
 
-    def forward(self, x):
-        update = F.linear(F.linear(x, self.lora_A), self.lora_B)    # x A^T B^T
-        return super().forward(x) + update * self.scaling   # the base Linear's x W^T + b
+    def forward(self, x):   # the base Linear's x W^T + b, plus x A^T B^T scaled
+        return super().forward(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, "
@@ -266,8 +265,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.family == 'llama':
             return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        approximate = 'tanh' if self.family == 'gpt2' else 'none'
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=approximate)))
+        return self.dropout(self.c_proj(
+            F.gelu(self.c_fc(x), approximate='tanh' if self.family == 'gpt2' else 'none')))
 
 class Block(nn.Module):
     """One layer: attention and MLP, each a residual branch.
@@ -849,6 +848,11 @@ def hf_config_to_kwargs(hf):
     """HF config.json dict -> GPTConfig keyword arguments: GPT-2, Llama, BERT; else an error."""
     get = hf.get
     mt = get('model_type')
+
+    def sizes():   # Llama's and BERT's, by the same HF names
+        return dict(vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
+                    n_head=hf['num_attention_heads'], n_embd=hf['hidden_size'],
+                    intermediate_size=hf['intermediate_size'])
     if mt == 'gpt2':
         if get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh') or \
                 get('scale_attn_by_inverse_layer_idx') or not get('scale_attn_weights', True):
@@ -870,11 +874,8 @@ def hf_config_to_kwargs(hf):
         scaling = {k: v for k, v in (get('rope_scaling') or rope).items() if k != 'rope_theta'}
         rope_inv_freq(2, theta, scaling)   # fail early on an unsupported rope_type
         scaling = None if _rope_type(scaling) == 'default' else scaling
-        return dict(family='llama', vocab_size=hf['vocab_size'],
-                    block_size=get('max_position_embeddings', 2048),
-                    n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
-                    n_kv_head=get('num_key_value_heads'), n_embd=hf['hidden_size'],
-                    intermediate_size=hf['intermediate_size'], bias=bool(bias),
+        return dict(family='llama', **sizes(), block_size=get('max_position_embeddings', 2048),
+                    n_kv_head=get('num_key_value_heads'), bias=bool(bias),
                     norm_eps=get('rms_norm_eps', 1e-6),
                     rope_theta=float(theta), rope_scaling=scaling,
                     tie_embeddings=get('tie_word_embeddings', False))
@@ -884,13 +885,10 @@ def hf_config_to_kwargs(hf):
             raise UsageError(
                 "BERT variants other than exact gelu with absolute positions are not supported")
         clf = any(a.endswith('ForSequenceClassification') for a in get('architectures') or [])
-        num_labels = (len(get('id2label') or {}) or get('num_labels', 2)) if clf else 0
-        return dict(family='bert', vocab_size=hf['vocab_size'],
-                    block_size=hf['max_position_embeddings'],
-                    n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
-                    n_embd=hf['hidden_size'], intermediate_size=hf['intermediate_size'],
+        return dict(family='bert', **sizes(), block_size=hf['max_position_embeddings'],
                     norm_eps=get('layer_norm_eps', 1e-12),
-                    type_vocab_size=get('type_vocab_size', 2), num_labels=num_labels,
+                    type_vocab_size=get('type_vocab_size', 2),
+                    num_labels=(len(get('id2label') or {}) or get('num_labels', 2)) if clf else 0,
                     tie_embeddings=False)
     raise UsageError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
 
