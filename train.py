@@ -633,7 +633,7 @@ def mean_attention_entropy(model, x, query_positions, batch_size=64):
 
 # ---- the training loop -------------------------------------------------------
 def _fmt_time(s):
-    s = int(round(s))
+    s = round(s)
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -1059,8 +1059,8 @@ def compare(cfg, explicit=frozenset()):
     t0 = time.time()
     for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
         log(f"=== {spec} ===")
-        out_dir = os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', ''))
-        one = replace(cfg, attn=spec, compare='', out_dir=out_dir)
+        one = replace(cfg, attn=spec, compare='',
+                      out_dir=os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', '')))
         rows.append((spec, train(one, set(explicit) | {'attn'})))
     metric = {'ar': 'test_acc', 'mqar': 'test_acc', 'text': 'val_ppl', 'glue': 'dev_main'}[cfg.task]
     lines = [f"| map | {metric} | mean attention entropy (all rows) | at query rows "
