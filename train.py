@@ -614,8 +614,8 @@ class Classifier(nn.Module):
             return self.model.classify(idx, attention_mask, token_type_ids, labels)
         h, _ = self.model.hidden_states(idx)                    # (B, T, C); causal
         last = attention_mask.long().sum(1).clamp(min=1) - 1   # each row's last real token
-        logits = self.head(h[torch.arange(idx.size(0), device=idx.device), last])
-        return M.classification_loss(logits, labels)
+        return M.classification_loss(
+            self.head(h[torch.arange(idx.size(0), device=idx.device), last]), labels)
 
 @torch.no_grad()
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
@@ -868,8 +868,8 @@ class Task:
             enc = GlueEncoder(tok, cfg.seq_len, verbose)
 
             def split(name):   # the examples encoded, in tensors
-                rows = load_glue(cfg.glue_task, cfg.data, name)
-                return collate_glue(*zip(*[(enc.encode(a, b), label) for a, b, label in rows]))
+                return collate_glue(*zip(*[(enc.encode(a, b), label) for a, b, label
+                                           in load_glue(cfg.glue_task, cfg.data, name)]))
             self.splits = {'train': split('train'), 'val': split('validation')}
             self.num_labels = glue_num_labels(cfg.glue_task)
             self.vocab_size = tok.vocab_size
