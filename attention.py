@@ -69,8 +69,8 @@ def softmax_attention(q, k, v, causal=True, attn_mask=None):
     """softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, Eq. 1), by PyTorch's SDPA. attn_mask: bool
     (B, H, T_q, T_k), True = may attend, replaces causal. k, v may have fewer heads than q (GQA)."""
     causal = causal and attn_mask is None and q.shape[-2] > 1
-    gqa = k.shape[1] != q.shape[1]
-    return nnf.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, enable_gqa=gqa)
+    return nnf.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal,
+                                            enable_gqa=k.shape[1] != q.shape[1])   # GQA
 
 def causal_mask(T_q, T_k, device=None):
     """(T_q, T_k) bool, True where query i (at absolute position T_k - T_q + i) may see key j."""
@@ -276,8 +276,8 @@ class HedgehogFeatureMap(FeatureMap):
             raise UsageError(f"{activation} features [f(u), f(-u)] need an even feature_dim, "
                              f"got {self.feature_dim}")
         width = self.feature_dim // 2 if pm else self.feature_dim
-        weight = init(width, self.head_dim).repeat(self.n_heads, 1, 1)
-        self.weight = nn.Parameter(weight)                                       # (H, width, D)
+        # (H, width, D)
+        self.weight = nn.Parameter(init(width, self.head_dim).repeat(self.n_heads, 1, 1))
         self.bias = nn.Parameter(torch.zeros(self.n_heads, width))
 
     def project(self, x):
@@ -461,8 +461,8 @@ OPTION_ALIASES = {'t': 'temperature', 'f': 'feature_dim'}
 
 def _fits(value, annotation):
     """value has the annotated type: int, float (an int too), bool, str, or a union (int | None)."""
-    types = get_args(annotation) or (annotation,)
-    return any(type(value) is t or (t is float and type(value) is int) for t in types)
+    return any(type(value) is t or (t is float and type(value) is int)
+               for t in get_args(annotation) or (annotation,))
 
 @dataclass(frozen=True)
 class AttnSpec:

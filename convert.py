@@ -162,9 +162,7 @@ def parse_layers(spec, n_layer):
         m = re.fullmatch(r'\s*(-?\d+)(?:-(\d+))?\s*', part)
         if not m:
             raise UsageError(f"bad --layers entry {part!r}; use e.g. 'all', '0,2,5', '0-3' or '-1'")
-        lo = int(m.group(1))
-        hi = int(m.group(2) or m.group(1))
-        for i in range(lo, hi + 1):
+        for i in range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1):   # lo..hi
             if not -n_layer <= i < n_layer:
                 raise UsageError(
                     f"unknown layer index {i}: the model has {n_layer} layers (0..{n_layer - 1})")
@@ -345,10 +343,10 @@ def load_task(cfg, model):
     tok = model.tokenizer = train.get_tokenizer(cfg.tokenizer, model)   # (its ids fit the model)
     if cfg.passkey_mix:   # a stage-2 retrieval sample drawn before any work: its error now
         passkey_batch(tok, torch.Generator(), cfg.passkey_block or cfg.block_size, 1)
-    data = train.DataConfig(task='text' if cfg.task == 'lm' else 'glue', data=cfg.data,
-                            val_data=cfg.val_data, glue_task=cfg.glue_task,
-                            batch_size=cfg.batch_size, seq_len=cfg.block_size, seed=cfg.seed)
-    return train.Task(data, tok)
+    return train.Task(train.DataConfig(
+        task='text' if cfg.task == 'lm' else 'glue', data=cfg.data, val_data=cfg.val_data,
+        glue_task=cfg.glue_task, batch_size=cfg.batch_size, seq_len=cfg.block_size,
+        seed=cfg.seed), tok)
 
 @torch.no_grad()
 def evaluate(model, module, task, cfg, rt, layers):
@@ -362,8 +360,9 @@ def evaluate(model, module, task, cfg, rt, layers):
         out['quality'] = train.final_metrics(module, model, task, rt)
     elif model.config.family != 'bert':
         T = task.cfg.seq_len
-        ids = task.splits['val'][:cfg.eval_batches * cfg.batch_size * T + 1]
-        out['quality'] = train.perplexity(model, ids, T, T, rt.device, cfg.batch_size)
+        out['quality'] = train.perplexity(
+            model, task.splits['val'][:cfg.eval_batches * cfg.batch_size * T + 1], T, T,
+            rt.device, cfg.batch_size)
     cores = model.attention_cores()
     kl = dict.fromkeys(layers, 0.0)
     mse = dict.fromkeys(layers, 0.0)
@@ -435,8 +434,8 @@ def exact_heads(scores, n, rank='probe', seed=0):
     best scores (rank 'probe'), or n at random (the control)."""
     flat = scores.flatten()
     cand = (flat >= 0).nonzero()[:, 0]
-    shuffled = torch.randperm(len(cand), generator=torch.Generator().manual_seed(seed))
-    order = cand[flat[cand].argsort(descending=True) if rank == 'probe' else shuffled]
+    order = cand[flat[cand].argsort(descending=True) if rank == 'probe'
+                 else torch.randperm(len(cand), generator=torch.Generator().manual_seed(seed))]
     out = {}
     for i in sorted(order[:n].tolist()):
         out.setdefault(i // scores.shape[1], []).append(i % scores.shape[1])
@@ -495,7 +494,8 @@ def transfer(model, task, cfg, rt, layers):
     every process) train under DDP. Only what the loss reaches trains: l2 alone reads the maps'
     features, not a decay or a window factor (DDP stops at a trainable parameter without a
     gradient)."""
-    cores, w = model.attention_cores(), cfg.weights
+    cores = model.attention_cores()
+    w = cfg.weights
     params = [p for l in layers for n, p in cores[l].named_parameters()
               if n.startswith('fmap.') or w.get('ce') or w.get('mse')]
     if not params or not cfg.stage1_iters:
@@ -582,8 +582,8 @@ def add_lora(model, cfg):
     unchanged."""
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        targets = [f'{t}_proj' for t in cfg.lora_targets.split(',')]
-        names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank, targets)
+        names = model.add_lora(cfg.lora_rank, 2 * cfg.lora_rank,
+                               [f'{t}_proj' for t in cfg.lora_targets.split(',')])
     log(f"stage 2: LoRA rank {cfg.lora_rank} on {len(names)} modules")
     return model
 
@@ -604,12 +604,11 @@ def check_fits(cfg, c, layers):
     """The options the teacher (config c) bounds, converting `layers`; a UsageError in one line."""
     kv = len(layers) * c.n_kv_head
     side = min(c.n_embd, c.n_kv_head * c.head_dim)
-    bounds = [
+    for name, most, what in [
         ('block_size', c.block_size, f"the teacher's {c.block_size} positions"),
         ('passkey_block', c.block_size, f"the teacher's {c.block_size} positions"),
         ('exact_heads', kv - 1, f"{kv - 1}: --layers has {kv} KV heads, all exact is the teacher"),
-        ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")]
-    for name, most, what in bounds:
+        ('lora_rank', side, f"{side}, the smallest side of q/k/v/o")]:
         if getattr(cfg, name) > most:
             raise UsageError(f"--{name} {getattr(cfg, name)} is more than {what}")
 
@@ -668,9 +667,8 @@ def run(cfg):
             continue
         rec = summary['stages'][name] = dict(fit, **evaluate(model, module, task, cfg, rt, layers))
         kl = ' '.join(f"L{l}={v:.3f}" for l, v in rec['kl_layers'].items())
-        mse = f"output MSE {rec['mse_mean']:.4g}"
         log(f"== {name}: KL(teacher||student) mean {rec['kl_mean']:.4f} nats [{kl}], "
-            + ' | '.join([mse] + numbers(rec.get('quality'))))
+            + ' | '.join([f"output MSE {rec['mse_mean']:.4g}"] + numbers(rec.get('quality'))))
     return save_conversion(model, cfg, rt, summary, t_start)
 
 def save_conversion(model, cfg, rt, summary, t_start):
@@ -681,8 +679,8 @@ def save_conversion(model, cfg, rt, summary, t_start):
     base = os.path.abspath(cfg.init_from) if os.path.exists(cfg.init_from) else cfg.init_from
     tensors = None
     if cfg.fsdp:   # the whole state, gathered on rank 0
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        tensors = get_model_state_dict(model, options=options)
+        tensors = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     summary['held'] = held(model, rt)
     if rt.ddp:
         dist.destroy_process_group()

@@ -42,7 +42,9 @@ BENCH_SWEEPS = {'attention': '512,1024,2048,4096,8192', 'prefill': '256,512,1024
 LLN_GRID = '0.25,0.5,1,1.5,2,2.5,3,3.5,4,5,6'      # LLN Fig. 2's temperatures sigma^2
 LLN_CURVES = (('entropy_bits', 'row entropy (bits)'),
               ('spectral_gap', 'spectral gap 1 - |lambda_2|'))
-DECODE_STEPS, FIG_TOKENS, SCATTER_ROWS = 64, 64, 8
+DECODE_STEPS = 64
+FIG_TOKENS = 64
+SCATTER_ROWS = 8
 # The SAMSum prompt (Hedgehog, Listing 4): llama-recipes' SAMSum template, which the paper's Llama-2
 # runs use (not checked letter by letter against the paper's listing); the model continues with the
 # summary and EOS.
@@ -71,11 +73,11 @@ def load(args, causal_for=None, with_tokenizer=True):
         raise UsageError('this report needs --ckpt (a checkpoint from train.py/convert.py, '
                          'an HF folder or hub name)')
     model, extra = load_model(args.ckpt, args.device, args.attn)
-    block_size = model.config.block_size
     if causal_for and model.config.family == 'bert':
         raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
-    if args.context > block_size and not model.rope:   # RoPE runs past its trained length
-        raise UsageError(f'--context {args.context} > block_size {block_size} (learned positions)')
+    if args.context > model.config.block_size and not model.rope:   # RoPE runs past it
+        raise UsageError(f'--context {args.context} > block_size {model.config.block_size} '
+                         '(learned positions)')
     return model, extra, tokenizer.resolve(model, args.tokenizer) if with_tokenizer else None
 
 def load_text(data):
@@ -222,9 +224,8 @@ def greedy(model, ids, max_new_tokens, eos_id, device='cpu', cuda_graph=False):
     """The new tokens (a list) of model's greedy continuation of the token list ids.
 
     Up to max_new_tokens, stopping after eos_id (model.GPT.generate)."""
-    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.0,
-                         eos_token_id=eos_id, cuda_graph=cuda_graph)
-    return out[0, len(ids):].tolist()
+    return model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.0,
+                          eos_token_id=eos_id, cuda_graph=cuda_graph)[0, len(ids):].tolist()
 
 def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     """Greedy summary of a dialogue in the SAMSum prompt, up to EOS.
@@ -273,7 +274,7 @@ def report_rouge(args):
     return {'data': source, 'examples': len(rows), 'ckpt': args.ckpt,
             'attn': describe_attention(model), 'max_new_tokens': args.max_new_tokens,
             'prompt_template': SAMSUM_PROMPT, 'scores': scores,
-            'samples': [{'summary': s, 'generated': p} for s, p in list(zip(refs, preds))[:5]],
+            'samples': [{'summary': s, 'generated': p} for s, p in zip(refs[:5], preds)],
             'seconds': round(time.time() - t0, 2)}
 
 def generate_prompts(args, tok):
@@ -282,7 +283,7 @@ def generate_prompts(args, tok):
     From --data: with --context N, --limit (default 3) passages of N tokens at evenly spaced
     offsets (long prompts reach a window hybrid's linear part), else one per line."""
     if args.prompt or not args.data:
-        return args.prompt or list(DEFAULT_PROMPTS)
+        return args.prompt or DEFAULT_PROMPTS
     text = load_text(args.data)[0]
     if not args.context:
         return [p for p in text.splitlines() if p.strip()][:args.limit or None]
@@ -353,8 +354,8 @@ def lm_eval_adapter(model, tok, context, stride, device='cpu', batch_size=8):
             for i in range(0, len(pairs), batch_size):
                 batch = pairs[i:i + batch_size]
                 group = [(c + t)[-(context + 1):] for c, t in batch]   # at most context + 1
-                inputs = [torch.tensor(g[:-1], dtype=torch.long) for g in group]
-                x = torch.nn.utils.rnn.pad_sequence(inputs, batch_first=True)
+                x = torch.nn.utils.rnn.pad_sequence(
+                    [torch.tensor(g[:-1], dtype=torch.long) for g in group], batch_first=True)
                 logp = model(x.to(device))[0].float().log_softmax(-1).cpu()
                 for r, (g, (_, t)) in enumerate(zip(group, batch)):
                     lp = logp[r, len(g) - 1 - len(t):len(g) - 1]   # (len(t), vocab)
@@ -417,10 +418,10 @@ def run_lm_eval(args, model, tok, tasks, include=None, limit=None, log_samples=F
         raise UsageError(f'unknown lm-eval task(s) {", ".join(unknown)}: not among lm-eval\'s '
                          f'{len(manager.all_tasks)} tasks (lm-eval ls tasks){local}')
     context = args.context or model.config.block_size
-    lm = lm_eval_adapter(model, tok, context, args.stride or max(context // 2, 1),
-                         args.device, args.batch_size)
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                                   log_samples=log_samples)
+    return lm_eval.simple_evaluate(
+        model=lm_eval_adapter(model, tok, context, args.stride or max(context // 2, 1),
+                              args.device, args.batch_size),
+        tasks=tasks, task_manager=manager, limit=limit, log_samples=log_samples)
 
 @functools.cache
 def lm_eval_tasks():
@@ -471,8 +472,7 @@ def report_passkey(args):
         with torch.no_grad(), softmax_shares(model) as shares[L]:
             model(torch.tensor([tok.encode(prompt)], device=args.device))
         log(f'{L} tokens, depth 50 %{describe_shares(shares[L])}')
-    plt = pyplot()
-    if plt:
+    if plt := pyplot():
         fig, ax = plt.subplots(figsize=(4.5, 3))
         fig.colorbar(ax.imshow(acc, vmin=0, vmax=1, cmap='RdYlGn', aspect='auto'))
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)),
@@ -573,9 +573,8 @@ def report_fidelity(args):
     context = args.context or min(cfg.block_size, 128)
     pairs = parse_heads(args.heads, cfg.n_layer, cfg.n_head)
     text, source = load_text(args.data)
-    ids = tok.encode(text)[:context * args.batch_size]
-    idx = fidelity_windows(tok, ids, context, args.batch_size,
-                           bert=cfg.family == 'bert').to(args.device)
+    idx = fidelity_windows(tok, tok.encode(text)[:context * args.batch_size], context,
+                           args.batch_size, bert=cfg.family == 'bert').to(args.device)
     if not specs and all(c.spec.name == 'softmax' for c in cores):
         specs = parse_maps('elu,performer,cosformer,taylor,hedgehog')
     log(f'tokenizer: {tok.name}; data: {source}; {len(idx)} x {context} tokens; model attention: '
@@ -587,8 +586,8 @@ def report_fidelity(args):
     summary = {}   # {name: {metric_per_layer: [...], metric_mean: ...}}
     first = []     # per layer, {name: sample 0's weights}
     for li, (core, (q, k)) in enumerate(zip(cores, qk)):
-        maps = layer_maps(cfg, core, specs, q, k, args.device)
-        stats, weights = fidelity_stats(q, k, maps, core.causal)
+        stats, weights = fidelity_stats(q, k, layer_maps(cfg, core, specs, q, k, args.device),
+                                        core.causal)
         layers.append({'layer': li, 'attn': str(core.spec), 'heads': [
             {'head': h, 'softmax': {m: v[h].item() for m, v in stats['softmax'].items()},
              'maps': {n: {m: v[h].item() for m, v in s.items()}
@@ -601,7 +600,7 @@ def report_fidelity(args):
         first.append({name: w[0] for name, w in weights.items()})     # sample 0, for the figures
     for s in summary.values():
         s.update({k.replace('per_layer', 'mean'): statistics.mean(v for v in per if v is not None)
-                  for k, per in list(s.items())})
+                  for k, per in s.items()})
     log(f'{"map":32s} {"KL(softmax||map)":>16s} {"entropy":>9s} {"monotonicity":>12s}  '
         '(mean: layers, heads, rows)')
     for name, s in summary.items():
@@ -671,8 +670,7 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     for key, title, yscale in (
             ('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
             ('kl_per_layer', 'KL(softmax || map) per layer', 'log')):
-        series = {name: list(zip(*[(li, max(v, 1e-8))
-                                   for li, v in enumerate(s[key]) if v is not None]))
+        series = {name: zip(*[(li, max(v, 1e-8)) for li, v in enumerate(s[key]) if v is not None])
                   for name, s in summary.items() if key in s}
         panels.append({'series': series, 'title': title, 'xlabel': 'layer', 'yscale': yscale,
                        'xticks': range(len(layers))})
@@ -715,9 +713,8 @@ def fidelity_scatter(out_dir, qk, weights, li, h, causal):
     T = q.shape[-2]
     rows = torch.arange(max(T - SCATTER_ROWS, 0), T)
     scores = (q[0, 0, rows].double() @ k[0, 0].double().T) * q.shape[-1] ** -0.5    # (R, T)
-    vis = torch.ones_like(scores, dtype=torch.bool)   # the keys each row sees
-    if causal:
-        vis = torch.arange(T)[None, :] <= rows[:, None]
+    vis = (torch.arange(T)[None, :] <= rows[:, None] if causal   # the keys each row sees
+           else torch.ones_like(scores, dtype=torch.bool))
     fig, axes = plt.subplots(1, len(weights), figsize=(2.6 * len(weights), 2.6), squeeze=False)
     for c, (name, w) in enumerate(weights.items()):
         rho = attention.monotonicity(w[h][None, None], q, k, causal=causal)[0]
@@ -1034,7 +1031,7 @@ def bench_figure(res, out_dir):
     for row, p in itertools.product((0, 1), [p for p in BENCH_TABLES if res.get(p)]):
         x = BENCH_TABLES[p][0]
         y = BENCH_TABLES[p][1][row]   # its time or memory
-        series = {a: list(zip(*[(r[x], max(r[y] or 0, 1e-3)) for r in res[p] if r['attn'] == a]))
+        series = {a: zip(*[(r[x], max(r[y] or 0, 1e-3)) for r in res[p] if r['attn'] == a])
                   for a in dict.fromkeys(r['attn'] for r in res[p])}
         panels.append({'series': series, 'title': f'{p}: {y}', 'xlabel': x,
                        'xscale': 'log', 'yscale': 'log'})

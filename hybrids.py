@@ -137,8 +137,8 @@ def window_linear_attention(q, k, v, phi_q, phi_k, c_q, c_k, spec, factor, causa
     attention on the softmax part (combine_window_linear)."""
     T = q.shape[2]
     n_sinks = min(spec.sinks, T)
-    keys = _real(q, key_padding_mask)
-    num_w, den_w, _ = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal, keys)
+    num_w, den_w, _ = _window_part(acc(q), acc(k), acc(v), spec.window, n_sinks, causal,
+                                   _real(q, key_padding_mask))
     if phi_q is None:   # no linear part: the softmax part alone (a row with no key gives 0)
         return divide(num_w, den_w).to(v.dtype), torch.ones_like(den_w)
     is_sink = torch.arange(T, device=q.device) < n_sinks     # sinks are not in the linear part
@@ -168,8 +168,8 @@ def block_diagonal_softmax(q, k, v, block, causal=True, key_padding_mask=None):
     n = math.ceil(T / block)
     pad = -T % block
     qb, kb, vb = (nnf.pad(t, (0, 0, 0, pad)).unflatten(2, (n, block)) for t in (q, k, v))
-    keys = _real(q, key_padding_mask)
-    mask = nnf.pad(keys, (0, pad)).view(B, 1, n, 1, block)  # real keys, not padding
+    # real keys, not padding
+    mask = nnf.pad(_real(q, key_padding_mask), (0, pad)).view(B, 1, n, 1, block)
     if causal:
         mask = mask & A.causal_mask(block, block, q.device)
     # a padded query sees itself: finite
@@ -190,9 +190,8 @@ class LinearState:
 
     @staticmethod
     def empty(B, H, F, D, like):
-        S = like.new_zeros(B, H, F, D)
-        z = like.new_zeros(B, H, F)
-        return LinearState(S, z, like.new_full((B, H), NO_KEY), 0)
+        return LinearState(like.new_zeros(B, H, F, D), like.new_zeros(B, H, F),
+                           like.new_full((B, H), NO_KEY), 0)
 
     def fold(self, phi, c, v, n):
         """The state with pairs added: phi (B, H, L, F) shifted features, c (B, H, L) their shifts
@@ -931,9 +930,8 @@ class Pairs:
 
     def _map(self, fn, other=None):
         """fn(x, y) on each field x of self (None stays) and y of other (None: y is x)."""
-        xs = vars(self).values()
-        ys = vars(self if other is None else other).values()
-        return Pairs(*(None if x is None else fn(x, y) for x, y in zip(xs, ys)))
+        return Pairs(*(None if x is None else fn(x, y) for x, y in
+                       zip(vars(self).values(), vars(self if other is None else other).values())))
 
     def cat(self, other):
         return self._map(lambda x, y: torch.cat([x, y], 2), other)
@@ -1034,9 +1032,8 @@ class Lola(Window):
         s = min(max(self.spec.sinks - st.offset, 0), k.shape[2])
         g = self.kv_groups
         new = Pairs(k[:, ::g], v[:, ::g], phi_k, c_k)
-        sinks = st.sinks.cat(new.cut(0, s))   # (the sinks keep no phi, c)
-        buffer = st.buffer.cat(new.cut(s))
-        return replace(st, offset=st.offset + k.shape[2], sinks=sinks, buffer=buffer)
+        return replace(st, offset=st.offset + k.shape[2],   # (the sinks keep no phi, c)
+                       sinks=st.sinks.cat(new.cut(0, s)), buffer=st.buffer.cat(new.cut(s)))
 
     def _update(self, st):
         """Once the buffer holds window - 1 + C tokens, its first C leave the softmax part: they and

@@ -179,9 +179,8 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=base.weight.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
 
-    def forward(self, x):
-        update = F.linear(F.linear(x, self.lora_A), self.lora_B)    # x A^T B^T
-        return super().forward(x) + update * self.scaling   # the base Linear's x W^T + b
+    def forward(self, x):   # the base Linear's x W^T + b, plus x A^T B^T scaled
+        return super().forward(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, "
@@ -229,11 +228,11 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if nkv != nh:  # GQA: query head h uses key/value head h // (nh // nkv), as in HF repeat_kv
-            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+            k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
         y = self.core(q, k, v, state and state.attn, return_state, key_padding_mask, shared)
         if return_state:   # the core's state, and the conv's last K-1 inputs
-            state = LayerState(y[1], conv_past)
-            y = y[0]
+            y, attn_state = y
+            state = LayerState(attn_state, conv_past)
         y = y.transpose(1, 2).reshape(B, T, nh * hs)            # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.o_proj(y)), state
 
@@ -250,7 +249,9 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, H, b = config.n_embd, config.intermediate_size, config.bias
+        C = config.n_embd
+        H = config.intermediate_size
+        b = config.bias
         self.family = config.family
         if config.family == 'llama':
             self.gate_proj = nn.Linear(C, H, b)
@@ -264,8 +265,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.family == 'llama':
             return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        approximate = 'tanh' if self.family == 'gpt2' else 'none'
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=approximate)))
+        return self.dropout(self.c_proj(
+            F.gelu(self.c_fc(x), approximate='tanh' if self.family == 'gpt2' else 'none')))
 
 class Block(nn.Module):
     """One layer: attention and MLP, each a residual branch.
@@ -300,11 +301,12 @@ class Transformer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config, C, n_layer = config, config.n_embd, config.n_layer
+        self.config = config
+        C = config.n_embd
         self.rope = config.family == 'llama'
-        blocks = [Block(config, config.layer_attn.get(i, config.attn)) for i in range(n_layer)]
         modules = dict(wte=nn.Embedding(config.vocab_size, C), drop=nn.Dropout(config.dropout),
-                       h=nn.ModuleList(blocks))
+                       h=nn.ModuleList(Block(config, config.layer_attn.get(i, config.attn))
+                                       for i in range(config.n_layer)))
         if not self.rope:   # learned positions
             modules['wpe'] = nn.Embedding(config.block_size, C)
         if config.family == 'bert':   # token types; an embedding LayerNorm (post-LN: no final norm)
@@ -453,10 +455,10 @@ class Transformer(nn.Module):
         short convolution)."""
         structured = {id(p) for m in self.modules() if isinstance(m, (Attention, ShortConv))
                       for p in m.parameters()}
-        trainable = [p for p in self.parameters() if p.requires_grad]
         decayed = lambda p: p.dim() >= 2 and id(p) not in structured   # noqa: E731
-        groups = [{'params': [p for p in trainable if decayed(p) == d], 'weight_decay': wd}
-                  for d, wd in ((True, weight_decay), (False, 0.0))]   # decayed, then not
+        # the trainable parameters, decayed, then not
+        groups = [{'params': [p for p in self.parameters() if p.requires_grad and decayed(p) == d],
+                   'weight_decay': wd} for d, wd in ((True, weight_decay), (False, 0.0))]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
     @classmethod
@@ -846,6 +848,11 @@ def hf_config_to_kwargs(hf):
     """HF config.json dict -> GPTConfig keyword arguments: GPT-2, Llama, BERT; else an error."""
     get = hf.get
     mt = get('model_type')
+
+    def sizes():   # Llama's and BERT's, by the same HF names
+        return dict(vocab_size=hf['vocab_size'], n_layer=hf['num_hidden_layers'],
+                    n_head=hf['num_attention_heads'], n_embd=hf['hidden_size'],
+                    intermediate_size=hf['intermediate_size'])
     if mt == 'gpt2':
         if get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh') or \
                 get('scale_attn_by_inverse_layer_idx') or not get('scale_attn_weights', True):
@@ -867,11 +874,8 @@ def hf_config_to_kwargs(hf):
         scaling = {k: v for k, v in (get('rope_scaling') or rope).items() if k != 'rope_theta'}
         rope_inv_freq(2, theta, scaling)   # fail early on an unsupported rope_type
         scaling = None if _rope_type(scaling) == 'default' else scaling
-        return dict(family='llama', vocab_size=hf['vocab_size'],
-                    block_size=get('max_position_embeddings', 2048),
-                    n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
-                    n_kv_head=get('num_key_value_heads'), n_embd=hf['hidden_size'],
-                    intermediate_size=hf['intermediate_size'], bias=bool(bias),
+        return dict(family='llama', **sizes(), block_size=get('max_position_embeddings', 2048),
+                    n_kv_head=get('num_key_value_heads'), bias=bool(bias),
                     norm_eps=get('rms_norm_eps', 1e-6),
                     rope_theta=float(theta), rope_scaling=scaling,
                     tie_embeddings=get('tie_word_embeddings', False))
@@ -881,13 +885,10 @@ def hf_config_to_kwargs(hf):
             raise UsageError(
                 "BERT variants other than exact gelu with absolute positions are not supported")
         clf = any(a.endswith('ForSequenceClassification') for a in get('architectures') or [])
-        num_labels = (len(get('id2label') or {}) or get('num_labels', 2)) if clf else 0
-        return dict(family='bert', vocab_size=hf['vocab_size'],
-                    block_size=hf['max_position_embeddings'],
-                    n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
-                    n_embd=hf['hidden_size'], intermediate_size=hf['intermediate_size'],
+        return dict(family='bert', **sizes(), block_size=hf['max_position_embeddings'],
                     norm_eps=get('layer_norm_eps', 1e-12),
-                    type_vocab_size=get('type_vocab_size', 2), num_labels=num_labels,
+                    type_vocab_size=get('type_vocab_size', 2),
+                    num_labels=(len(get('id2label') or {}) or get('num_labels', 2)) if clf else 0,
                     tie_embeddings=False)
     raise UsageError(f"unsupported model_type {mt!r}; supported: 'gpt2', 'llama', 'bert'")
 

@@ -91,10 +91,10 @@ class TiktokenTokenizer(Tokenizer):
         self.name = f'tiktoken-{enc.name}'
         self.vocab_size = enc.n_vocab
         self.eos_id = enc.eot_token
-        ranks = sorted(enc._mergeable_ranks, key=enc._mergeable_ranks.get)
         self.spec = {'kind': 'tiktoken', 'name': enc.name, 'pat_str': enc._pat_str,
                      'special_tokens': dict(enc._special_tokens),
-                     'ranks': [base64.b64encode(t).decode('ascii') for t in ranks]}
+                     'ranks': [base64.b64encode(t).decode('ascii')   # in rank order
+                               for t in sorted(enc._mergeable_ranks, key=enc._mergeable_ranks.get)]}
 
     def encode(self, text, special=False):
         if special:

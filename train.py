@@ -614,8 +614,8 @@ class Classifier(nn.Module):
             return self.model.classify(idx, attention_mask, token_type_ids, labels)
         h, _ = self.model.hidden_states(idx)                    # (B, T, C); causal
         last = attention_mask.long().sum(1).clamp(min=1) - 1   # each row's last real token
-        logits = self.head(h[torch.arange(idx.size(0), device=idx.device), last])
-        return M.classification_loss(logits, labels)
+        return M.classification_loss(
+            self.head(h[torch.arange(idx.size(0), device=idx.device), last]), labels)
 
 @torch.no_grad()
 def mean_attention_entropy(model, x, query_positions, batch_size=64):
@@ -633,7 +633,7 @@ def mean_attention_entropy(model, x, query_positions, batch_size=64):
 
 # ---- the training loop -------------------------------------------------------
 def _fmt_time(s):
-    s = int(round(s))
+    s = round(s)
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -686,16 +686,16 @@ def setup(device='auto', dtype='auto', grad_accum=1):
     if dtype == 'auto':   # bf16 (or fp16) on CUDA, else fp32
         dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if cuda else 'float32'
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    autocast = torch.autocast('cuda', getattr(torch, dtype)) if cuda and dtype != 'float32' else \
-        contextlib.nullcontext()
-    return Runtime(ddp, rank, world, rank == 0, device, dtype, autocast)
+    return Runtime(ddp, rank, world, rank == 0, device, dtype,   # and autocast:
+                   torch.autocast('cuda', getattr(torch, dtype)) if cuda and dtype != 'float32'
+                   else contextlib.nullcontext())
 
 def _start(params_or_optimizer, cfg, rt, resume):
     """(optimizer, grad scaler, data-stream generator, step): fresh, or continued from a
     checkpoint's state."""
     opt = params_or_optimizer
     if not isinstance(opt, torch.optim.Optimizer):
-        opt = torch.optim.AdamW(list(opt), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(opt, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
     scaler = torch.amp.GradScaler('cuda', enabled=rt.dtype == 'float16')
     gen = torch.Generator().manual_seed(cfg.seed)     # the one batch stream of every process
     step = int(resume['iter_num']) if resume else 0
@@ -754,11 +754,9 @@ def _accumulate(net, loss_fn, next_batch, gen, scaler, cfg, rt):
 class NonFiniteLoss(RuntimeError):
     def __init__(self, what, value, step, saved, cfg, rt):
         # saved: the last checkpoint's path, True (one was loaded to resume) or None
+        kept = "no checkpoint was written"
         if saved:
-            where = '' if saved is True else ' ' + saved
-            kept = f"the last good checkpoint{where} was kept"
-        else:
-            kept = "no checkpoint was written"
+            kept = f"the last good checkpoint{'' if saved is True else ' ' + saved} was kept"
         super().__init__(f"non-finite {what} ({value}) at step {step}; stopped, {kept}. "
                          f"Try a lower --lr (now {cfg.lr:g}), --dtype float32 (now {rt.dtype}), "
                          "or a numerically stable feature map (hedgehog with its softmax over the "
@@ -870,8 +868,8 @@ class Task:
             enc = GlueEncoder(tok, cfg.seq_len, verbose)
 
             def split(name):   # the examples encoded, in tensors
-                rows = load_glue(cfg.glue_task, cfg.data, name)
-                return collate_glue(*zip(*[(enc.encode(a, b), label) for a, b, label in rows]))
+                return collate_glue(*zip(*[(enc.encode(a, b), label) for a, b, label
+                                           in load_glue(cfg.glue_task, cfg.data, name)]))
             self.splits = {'train': split('train'), 'val': split('validation')}
             self.num_labels = glue_num_labels(cfg.glue_task)
             self.vocab_size = tok.vocab_size
@@ -1061,8 +1059,8 @@ def compare(cfg, explicit=frozenset()):
     t0 = time.time()
     for spec in (s.strip() for s in cfg.compare.split(',') if s.strip()):
         log(f"=== {spec} ===")
-        out_dir = os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', ''))
-        one = replace(cfg, attn=spec, compare='', out_dir=out_dir)
+        one = replace(cfg, attn=spec, compare='',
+                      out_dir=os.path.join(cfg.out_dir, spec.replace(':', '_').replace('=', '')))
         rows.append((spec, train(one, set(explicit) | {'attn'})))
     metric = {'ar': 'test_acc', 'mqar': 'test_acc', 'text': 'val_ppl', 'glue': 'dev_main'}[cfg.task]
     lines = [f"| map | {metric} | mean attention entropy (all rows) | at query rows "
