@@ -581,7 +581,7 @@ class AttnSpec:
 
 def exp_as(x, like):
     """exp(x) in like's dtype: x a difference of shifts, float64 where a decay makes them large."""
-    return torch.exp(x).to(like.dtype)
+    return cast(torch.exp(x), like.dtype)
 
 def scaled_keys(k, c, M):
     """phi_k_s exp(c_s - M): keys (B, H, T, F) in units of exp(-M), M >= every c_s."""

@@ -670,7 +670,8 @@ def fidelity_figures(out_dir, qk, weights, layers, summary, pairs, cores):
     for key, title, yscale in (
             ('entropy_per_layer', 'attention entropy (nats, mean over heads and rows)', 'linear'),
             ('kl_per_layer', 'KL(softmax || map) per layer', 'log')):
-        series = {name: zip(*[(li, max(v, 1e-8)) for li, v in enumerate(s[key]) if v is not None])
+        series = {name: list(zip(*[(li, max(v, 1e-8))
+                                   for li, v in enumerate(s[key]) if v is not None]))
                   for name, s in summary.items() if key in s}
         panels.append({'series': series, 'title': title, 'xlabel': 'layer', 'yscale': yscale,
                        'xticks': range(len(layers))})
@@ -1031,7 +1032,7 @@ def bench_figure(res, out_dir):
     for row, p in itertools.product((0, 1), [p for p in BENCH_TABLES if res.get(p)]):
         x = BENCH_TABLES[p][0]
         y = BENCH_TABLES[p][1][row]   # its time or memory
-        series = {a: zip(*[(r[x], max(r[y] or 0, 1e-3)) for r in res[p] if r['attn'] == a])
+        series = {a: list(zip(*[(r[x], max(r[y] or 0, 1e-3)) for r in res[p] if r['attn'] == a]))
                   for a in dict.fromkeys(r['attn'] for r in res[p])}
         panels.append({'series': series, 'title': f'{p}: {y}', 'xlabel': x,
                        'xscale': 'log', 'yscale': 'log'})
