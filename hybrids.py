@@ -69,7 +69,7 @@ def _merge(a, b):
 def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'):
     """The window and linear parts of the sliding-window hybrid combined, per query row: num_w,
     den_w from _window_softmax (its m not needed); num_l, den_l the linear sums of shifted
-    features (exact mass exp(c) den_l); factor (H, T) or (H, 1).
+    features (exact mass exp(c) den_l); factor (H,) or per row (H, T).
       joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights
             gamma exp(s_ij - m_i) and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT
             compensated: window weights are <= gamma, on the kernel's scale (an exact softmax
@@ -83,7 +83,8 @@ def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'
     # (an empty part's den 1 in the log: no nan in a gradient)
     has_w = den_w > 0
     has_l = den_l > 0
-    f = factor.to(den_w.dtype)                                        # (H, T) against (B, H, T)
+    f = factor.to(den_w.dtype).view(len(factor), -1)                  # (H, T or 1) against
+                                                                      # (B, H, T)
     ratio = f * den_w.where(has_w, 1.0) / den_l.where(has_l, 1.0)
     p = torch.sigmoid(torch.log(ratio) - c.to(den_w.dtype)) if combine == 'joint' else f
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)
@@ -743,16 +744,14 @@ class Window(Attention):
 
     def factor(self, pos=None):
         """The window factor through its sigmoid, per head (H,): gamma (joint) or s (mix), on the
-        window part; at the queries' positions pos (n,), (H, n): with logn=1 the logit grows as
+        window part. With logn=1, at the queries' positions pos (n,), (H, n): the logit grows as
         theta + s log(1 + pos), so that the window's share may keep up with the linear part's mass,
         which grows with the position (Scalable-Softmax's s log n: there on every logit)."""
         if self.fmap is None:
             return None
-        if pos is None:
-            return torch.sigmoid(self.window_factor)
-        theta = self.window_factor[:, None]
-        if self.spec.logn:
-            theta = theta + self.logn_slope[:, None] * torch.log1p(pos.float())
+        theta = self.window_factor
+        if self.spec.logn and pos is not None:
+            theta = theta[:, None] + self.logn_slope[:, None] * torch.log1p(pos.float())
         return torch.sigmoid(theta)
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
