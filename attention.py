@@ -489,9 +489,6 @@ class AttnSpec:
                               # window, combine=mix (it has no normaliser z to share)
     gate: int = 0             # 1: the delta rule's S decays by a learned alpha_t first (Gated
                               # DeltaNet)
-    logn: int = 0             # 1: the window factor grows with the query's position i, gamma_i =
-                              # sigmoid(theta + s log(1 + i)), s learned per head from 0 (issue 60:
-                              # Scalable-Softmax's s log n, Nakanishi 2025, on the window's share)
     options: tuple = ()       # the feature map's own options, sorted (key, value) pairs
 
     @classmethod
@@ -536,9 +533,6 @@ class AttnSpec:
             yield "decay (>= 0) is the linear state's: a feature map's"
         if self.nope not in (0, 1) or (self.nope and self.name == 'softmax'):
             yield "nope (0 or 1) is the linear part's: a feature map's"
-        if self.logn not in (0, 1) or (self.logn and (not self.window or self.name == 'softmax'
-                                                      or self.cache)):
-            yield "logn (0 or 1) scales the factor of a window beside a map, without cache"
         if {self.delta, self.gate} - {0, 1} or self.gate > self.delta:
             yield "delta and gate are 0 or 1, gate with delta"
         if self.delta and (self.name == 'softmax' or self.diag_block or self.cache or self.decay

@@ -69,7 +69,7 @@ def _merge(a, b):
 def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'):
     """The window and linear parts of the sliding-window hybrid combined, per query row: num_w,
     den_w from _window_softmax (its m not needed); num_l, den_l the linear sums of shifted
-    features (exact mass exp(c) den_l); factor (H,) or per row (H, T).
+    features (exact mass exp(c) den_l); factor (H,).
       joint (LoLCATs, ICLR 2025, Eq. 8, and its code): one normalisation of window weights
             gamma exp(s_ij - m_i) and linear weights phi(q_i).phi(k_j), gamma = factor. m_i is NOT
             compensated: window weights are <= gamma, on the kernel's scale (an exact softmax
@@ -83,8 +83,7 @@ def combine_window_linear(num_w, den_w, num_l, den_l, c, factor, combine='joint'
     # (an empty part's den 1 in the log: no nan in a gradient)
     has_w = den_w > 0
     has_l = den_l > 0
-    f = factor.to(den_w.dtype).view(len(factor), -1)                  # (H, T or 1) against
-                                                                      # (B, H, T)
+    f = factor.to(den_w.dtype)[:, None]                               # (H, 1) against (B, H, T)
     ratio = f * den_w.where(has_w, 1.0) / den_l.where(has_l, 1.0)
     p = torch.sigmoid(torch.log(ratio) - c.to(den_w.dtype)) if combine == 'joint' else f
     p = torch.where(has_w, p.where(has_l, 1.0), 0.0)
@@ -665,7 +664,7 @@ def fusable(core):
     D = core.head_dim
     L = spec.sinks + core.window
     why = "LoLA's cache (cache=) has none" if spec.cache else \
-        'the delta rule has none' if spec.delta else 'logn has none' if spec.logn else \
+        'the delta rule has none' if spec.delta else \
         'a window without a map (softmax) has none' if fm is None or not core.fuses else \
         'it takes a hedgehog or lolcats map with softmax or exp features' if not (
             isinstance(fm, A.HedgehogFeatureMap) and fm.activation in ('softmax', 'exp') and
@@ -739,27 +738,16 @@ class Window(Attention):
                                     # till calibrate()
             theta = math.log(0.1 / 0.9) if self.spec.combine == 'joint' else 0.0
             self.window_factor = nn.Parameter(torch.full((len(self.rest_q),), theta))
-            if self.spec.logn:   # s, the slope of log(1 + i) in the factor's logit: 0 at first
-                self.logn_slope = nn.Parameter(torch.zeros(len(self.rest_q)))
 
-    def factor(self, pos=None):
-        """The window factor through its sigmoid, per head (H,): gamma (joint) or s (mix), on the
-        window part. With logn=1, at the queries' positions pos (n,), (H, n): the logit grows as
-        theta + s log(1 + pos), so that the window's share may keep up with the linear part's mass,
-        which grows with the position (Scalable-Softmax's s log n: there on every logit)."""
-        if self.fmap is None:
-            return None
-        theta = self.window_factor
-        if self.spec.logn and pos is not None:
-            theta = theta[:, None] + self.logn_slope[:, None] * torch.log1p(pos.float())
-        return torch.sigmoid(theta)
+    def factor(self):
+        """The window factor through its sigmoid, per head: gamma (joint) or s (mix), on the window
+        part."""
+        return torch.sigmoid(self.window_factor) if self.fmap is not None else None
 
     def parallel(self, q, k, v, key_padding_mask, return_state):
         phi_q, phi_k, c_q, c_k = self._features(q, k, 0, key_padding_mask)
         y, share = window_linear_attention(q, k, v, phi_q, phi_k,
-                                           c_q, c_k, self.spec,
-                                           self.factor(torch.arange(q.shape[2], device=q.device)),
-                                           self.causal,
+                                           c_q, c_k, self.spec, self.factor(), self.causal,
                                            key_padding_mask, self.chunk_size)
         self.share = share.detach()
         return y, self._state(k, v, phi_k, c_k) if return_state and self.causal else None
@@ -842,7 +830,7 @@ class Window(Attention):
         phi_q, phi_k, c_q, c_k = self._features(q, k_out, st.n, pos=st.pos, back=back)
         num, den = st.linear.read(phi_q)                                   # (B, H, 1, D), (B, H, 1)
         den = den[..., None]
-        f = self.factor(st.pos).view(-1, 1, 1)                             # (H, 1, 1)
+        f = self.factor().view(-1, 1, 1)                                   # (H, 1, 1)
         joint = self.spec.combine == 'joint'
         if joint and not self.shifted:   # Eq. 8, each side times max_j a_j = 1 / den_w (den 0: y_w)
             r = a.amax(-1, keepdim=True)
@@ -1035,7 +1023,7 @@ class Lola(Window):
         phi_q, phi_k, c_q, c_k = self._features(q, k, o)
         num_l, den_l = st.linear.read(phi_q)
         y, share = combine_window_linear(num_w, den_w, num_l, den_l, c_q + st.linear.m[..., None],
-                                         self.factor(pos[-n:]), self.spec.combine)
+                                         self.factor(), self.spec.combine)
         return y, share, phi_k, c_k
 
     def _push(self, st, k, v, phi_k, c_k):
