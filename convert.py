@@ -22,8 +22,6 @@ Both stages run train.fit, the project's one training loop (progress lines, the 
 stop), in one process or under torchrun (each process its share of the --grad_accum micro-batches;
 all evaluate, rank 0 writes).
 """
-import copy
-import functools
 import json
 import math
 import os
@@ -35,7 +33,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -103,8 +100,6 @@ class ConvertConfig:
     passkey_block: int = num(0, ge=0)   # their length: block / 4 to block tokens
                                         # (0: --block_size)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
-    stage2_loss: Literal['ce', 'kl'] = 'ce'   # ce: the next token's; kl: KL(teacher || student)
-                                               # on the same rows (kl_loss; lm, no --fsdp)
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
     fsdp: bool = False            # under torchrun: every block sharded over the processes
@@ -131,8 +126,6 @@ class ConvertConfig:
                 f"--lora_targets {self.lora_targets!r}: a comma-separated subset of q,k,v,o")
         if self.passkey_mix and self.task != 'lm':
             raise UsageError("--passkey_mix is for --task lm")
-        if self.stage2_loss == 'kl' and (self.task != 'lm' or self.fsdp):
-            raise UsageError("--stage2_loss kl is for --task lm, without --fsdp")
 
 # the maps --loss l2 fits: their phi(q).phi(k) estimates exp(q.k/sqrt d)
 KERNEL_MAPS = ('dof', 'performer', 'taylor')
@@ -563,7 +556,6 @@ def finetune(model, module, task, cfg, rt):
     layer's --lora_targets (q/k/v/o) plus a new classifier, or on every weight (--lora_rank 0)."""
     if not cfg.stage2_iters:
         return None
-    teacher = copy.deepcopy(model).eval() if cfg.stage2_loss == 'kl' else None   # before LoRA
     model.requires_grad_(cfg.lora_rank == 0)
     if cfg.lora_rank:
         if not cfg.fsdp:   # (--fsdp added them before sharding)
@@ -579,24 +571,10 @@ def finetune(model, module, task, cfg, rt):
             return passkey_batch(model.tokenizer, g, cfg.passkey_block or cfg.block_size,
                                  cfg.batch_size)
         return task.next_batch(g)
-    loss_fn = functools.partial(kl_loss, teacher) if teacher else train.task_loss
-    out = train.fit(module, params, loss_fn, batch, _schedule(cfg, cfg.stage2_iters, lr), rt,
-                    log_name='stage2.jsonl')
+    out = train.fit(module, params, train.task_loss, batch, _schedule(cfg, cfg.stage2_iters, lr),
+                    rt, log_name='stage2.jsonl')
     model.requires_grad_(False)
     return dict(out, lr=lr, mode='lora' if cfg.lora_rank else 'full')
-
-def kl_loss(teacher, module, batch):
-    """Stage 2's loss with --stage2_loss kl: KL(teacher || student) of the next token's distribution
-    in nats, the mean over the rows the task's loss labels (y != -100: every row of a text, a
-    retrieval sample's answer), so that the student learns the teacher's whole distribution, not
-    the text's one token. teacher: the model before LoRA, run with every core softmax."""
-    x, y = batch
-    keep = y != -100                                                   # (B, T)
-    with torch.no_grad(), teacher.capture_qkv(layers=(), teacher=True):
-        log_p = teacher(x)[0][keep].float().log_softmax(-1)           # (N, vocab)
-    log_q = module(x)[0][keep].float().log_softmax(-1)
-    # sum over the vocabulary of p (log p - log q), over the rows / N
-    return F.kl_div(log_q, log_p, log_target=True, reduction='batchmean')
 
 def add_lora(model, cfg):
     """LoRA on every layer's --lora_targets, drawn from --seed (the same on every process, whenever
