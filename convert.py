@@ -100,6 +100,8 @@ class ConvertConfig:
     passkey_block: int = num(0, ge=0)   # their length: block / 4 to block tokens
                                         # (0: --block_size)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
+    grad_ckpt: bool = False       # stage 2 remakes each block's activations in backward:
+                                  # one block's in memory at a time (long --passkey_block)
     out_dir: str = 'out-convert'
     device: str = 'auto'          # auto | cpu | cuda | cuda:N
     fsdp: bool = False            # under torchrun: every block sharded over the processes
@@ -565,6 +567,7 @@ def finetune(model, module, task, cfg, rt):
     params = [p for p in module.parameters() if p.requires_grad]
     lr = cfg.stage2_lr or (LORA_LR if cfg.lora_rank else FULL_LR)
     model.train()
+    model.grad_ckpt = cfg.grad_ckpt
 
     def batch(g):   # a retrieval sample at --passkey_mix's rate, else the task's
         if cfg.passkey_mix and torch.rand((), generator=g) < cfg.passkey_mix:

@@ -18,10 +18,12 @@ import pickle
 import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 import tokenizer as tokenizer_lib
 from attention import AttnSpec, UsageError, apply_rope
@@ -317,6 +319,9 @@ class Transformer(nn.Module):
         # device -> RoPE inverse frequencies in float32 (not a buffer: .to(bf16) must not round)
         self._inv_freq = {}
         self.tokenizer = None  # the tokenizer that travels with the model (load and save handle it)
+        # activation checkpointing: with gradients, each block's activations are made again in
+        # backward instead of kept (memory of one block at a time, one more forward's time)
+        self.grad_ckpt = False
 
     def _init_weights(self):
         """nanoGPT's init, after the heads are made; the attention cores keep their own.
@@ -441,8 +446,10 @@ class Transformer(nn.Module):
         kpm = None if attention_mask is None else attention_mask.to(idx.device).bool()
         new_states = []
         shared = {}   # what the attention cores make once a step
+        ckpt = self.grad_ckpt and torch.is_grad_enabled()   # training: blocks remade in backward
         for i, block in enumerate(tr.h):
-            x, s = block(x, rope, states and states[i], return_state, kpm, shared)
+            run = partial(checkpoint, block, use_reentrant=False) if ckpt else block
+            x, s = run(x, rope, states and states[i], return_state, kpm, shared)
             new_states.append(s)
         return (x if isinstance(self, Bert) else tr.ln_f(x)), (new_states if return_state else None)
 
@@ -460,11 +467,6 @@ class Transformer(nn.Module):
         groups = [{'params': [p for p in self.parameters() if p.requires_grad and decayed(p) == d],
                    'weight_decay': wd} for d, wd in ((True, weight_decay), (False, 0.0))]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
-
-    @classmethod
-    def from_pretrained(cls, path, **overrides):
-        """nanoGPT's name for `load(path, **overrides)[0]`."""
-        return load(path, **overrides)[0]
 
 class GPT(Transformer):
     """A causal language model (family gpt2 or llama): the body and an LM head.

@@ -557,11 +557,12 @@ def test_passkey_mix_draws_retrieval_batches_at_its_rate(tmp_path, text_file, mo
     def spy(module, params, loss_fn, next_batch, *a, **k):   # 400 draws of stage 2's batches, then the real fit
         g = torch.Generator().manual_seed(0)
         drawn.extend(next_batch(g) for _ in range(400))
+        assert module.grad_ckpt   # --grad_ckpt reaches the model stage 2 trains
         return fit(module, params, loss_fn, next_batch, *a, **k)
     monkeypatch.setattr(train, 'fit', spy)
     _run(_args(str(tmp_path / 'tiny.pt'), text_file, tmp_path / 'pk', '--block_size', '256', '--attn', 'softmax',
                '--stage1_iters', '0', '--stage2_iters', '2', '--passkey_mix', '0.25',
-               '--passkey_block', '480'))   # (issue 60: retrieval samples longer than the text's)
+               '--passkey_block', '480', '--grad_ckpt'))   # (issue 60: samples longer than the text's)
     share = sum(bool((y == -100).any()) for _, y in drawn) / len(drawn)
     sizes = [x.shape[1] for x, y in drawn if (y == -100).any()]
     assert 0.18 < share < 0.32 and all(x.shape[1] <= 256 for x, y in drawn if not (y == -100).any())
@@ -703,14 +704,15 @@ def test_torchrun_ddp_and_fsdp_equal_one_process(ckpts, text_file, tmp_path):
     """Issue 54: both stages under torchrun, 2 gloo processes, data-parallel and with every block sharded (FSDP2),
     equal one process with the same global batch (--grad_accum 2): calibration (the probe's exact head, the mix
     share), the trained tensors within 1e-5 and the perplexity; under FSDP each process holds about half of the
-    parameters; the checkpoints load in eval.py without torchrun and score the same."""
+    parameters; the checkpoints load in eval.py without torchrun and score the same. The FSDP run remakes each
+    block's activations in backward (--grad_ckpt: the blocks' own FSDP hooks gather their weights again)."""
     args = _args(ckpts['llama'], text_file, tmp_path / 'one', '--attn', 'lolcats:window=4:combine=mix',
                  '--exact_heads', '1', '--batch_size', '2', '--grad_accum', '2', '--stage1_iters', '3',
                  '--stage2_iters', '3')
     one = _run(args)
     for how in ('ddp', 'fsdp'):
         r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                            'convert.py', *args, '--out_dir', str(tmp_path / how)] + ['--fsdp'] * (how == 'fsdp'),
+                            'convert.py', *args, '--out_dir', str(tmp_path / how)] + ['--fsdp', '--grad_ckpt'] * (how == 'fsdp'),
                            cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'),
                            timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""GGUF loading (model.load_gguf via GPT.from_pretrained): the tests write tiny llama GGUF files with gguf's own
+"""GGUF loading (model.load_gguf via model.load): the tests write tiny llama GGUF files with gguf's own
 writer, the q/k rows permuted as llama.cpp's convert_hf_to_gguf.py permutes them, for every supported tensor type:
 F32 (logits equal the original model's), F16/BF16 and the types gguf quantizes in numpy (every weight within the
 format's error bound; logits equal a model built from the dequantised weights), and the K-quants, whose blocks
@@ -128,7 +128,7 @@ def _logits(m, seed=1):
 def test_f32_logits_equal_the_original(tmp_path, tie):
     m = _model(tie)
     path = write_gguf(tmp_path / 'm.gguf', m.config, gguf_tensors(m))
-    g = M.GPT.from_pretrained(path).eval()
+    g = M.load(path)[0].eval()
     assert g.config.tie_embeddings == tie and g.config.n_kv_head == 2 and g.config.vocab_size == len(TOKENS)
     assert g.config.norm_eps == pytest.approx(1e-5) and g.config.block_size == 32
     assert torch.equal(_logits(g), _logits(m))
@@ -161,7 +161,7 @@ def test_f32_matches_transformers_llama(tmp_path):
                   f'blk.{i}.ffn_gate.weight': sd[p + 'mlp.gate_proj.weight'],
                   f'blk.{i}.ffn_up.weight': sd[p + 'mlp.up_proj.weight'],
                   f'blk.{i}.ffn_down.weight': sd[p + 'mlp.down_proj.weight']})
-    g = M.GPT.from_pretrained(write_gguf(tmp_path / 'hf.gguf', cfg, t)).eval()
+    g = M.load(write_gguf(tmp_path / 'hf.gguf', cfg, t))[0].eval()
     x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(g(x)[0], hf(x).logits, atol=1e-4, rtol=1e-4)
@@ -203,7 +203,7 @@ def test_quantised_types(tmp_path, kind):
             assert (err <= _block_bound(w, kind)).all(), (name, float(err.max()))
         else:
             tensors[name] = deq[name] = w
-    g = M.GPT.from_pretrained(write_gguf(tmp_path / f'{kind}.gguf', m.config, tensors)).eval()
+    g = M.load(write_gguf(tmp_path / f'{kind}.gguf', m.config, tensors))[0].eval()
     # the reference: the dequantised weights put back by hand (HF row order for q/k) into the original model
     cfg, sd = m.config, m.state_dict()
     ref = M.GPT(cfg).eval()
@@ -337,7 +337,7 @@ def test_k_quants_hand_packed(tmp_path, kind):
         blocks, y = PACKERS[kind](rng, w.size // QK_K)
         tensors[name] = (blocks.reshape(w.shape[0], -1), qtype)
         expected[name] = y.reshape(w.shape)
-    g = M.GPT.from_pretrained(write_gguf(tmp_path / f'{kind}.gguf', cfg, tensors))
+    g = M.load(write_gguf(tmp_path / f'{kind}.gguf', cfg, tensors))[0]
     sd = g.state_dict()
     got = {'token_embd.weight': sd['transformer.wte.weight'],
            'blk.1.attn_v.weight': sd['transformer.h.1.attn.v_proj.weight'],
@@ -360,18 +360,18 @@ def test_unsupported_architecture_type_and_missing_tensor(tmp_path):
     m = _model()
     t = gguf_tensors(m)
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported; supported: 'llama'"):
-        M.GPT.from_pretrained(write_gguf(tmp_path / 'a.gguf', m.config, t, arch='gpt2'))
+        M.load(write_gguf(tmp_path / 'a.gguf', m.config, t, arch='gpt2'))[0]
     with pytest.raises(ValueError, match=r"missing keys in the GGUF file: blk\.1\.ffn_down\.weight"):
-        M.GPT.from_pretrained(write_gguf(tmp_path / 'b.gguf', m.config, t, skip={'blk.1.ffn_down.weight'}))
+        M.load(write_gguf(tmp_path / 'b.gguf', m.config, t, skip={'blk.1.ffn_down.weight'}))[0]
     bad = dict(t, **{'blk.0.ffn_up.weight': t['blk.0.ffn_up.weight'].astype(np.float64)})
     with pytest.raises(ValueError, match=r"tensor blk\.0\.ffn_up\.weight has type F64; supported types: F32, F16"):
-        M.GPT.from_pretrained(write_gguf(tmp_path / 'c.gguf', m.config, bad))
+        M.load(write_gguf(tmp_path / 'c.gguf', m.config, bad))[0]
     extra = dict(t, **{'blk.0.attn_q_norm.weight': np.ones(16, np.float32)})
     with pytest.raises(ValueError, match=r"unexpected keys in the GGUF file: blk\.0\.attn_q_norm\.weight"):
-        M.GPT.from_pretrained(write_gguf(tmp_path / 'd.gguf', m.config, extra))
+        M.load(write_gguf(tmp_path / 'd.gguf', m.config, extra))[0]
     wrong = dict(t, **{'blk.0.ffn_up.weight': t['blk.0.ffn_up.weight'][:64]})
     with pytest.raises(ValueError, match=r"shape mismatches: blk\.0\.ffn_up\.weight: file \(64, 64\) vs model"):
-        M.GPT.from_pretrained(write_gguf(tmp_path / 'e.gguf', m.config, wrong))
+        M.load(write_gguf(tmp_path / 'e.gguf', m.config, wrong))[0]
 
 
 def test_a_gguf_file_cut_short_or_not_gguf_is_one_usage_error(tmp_path):
@@ -390,20 +390,20 @@ def test_a_gguf_file_cut_short_or_not_gguf_is_one_usage_error(tmp_path):
 def test_rope_scaling_metadata(tmp_path):
     m = _model()
     t = gguf_tensors(m)
-    g = M.GPT.from_pretrained(write_gguf(tmp_path / 'lin.gguf', m.config, t, rope_scaling=('LINEAR', 4.0)))
+    g = M.load(write_gguf(tmp_path / 'lin.gguf', m.config, t, rope_scaling=('LINEAR', 4.0)))[0]
     assert g.config.rope_scaling == {'rope_type': 'linear', 'factor': 4.0}
     with pytest.raises(ValueError, match=r"RoPE scaling 'yarn' is not supported; supported: none, linear"):
-        M.GPT.from_pretrained(write_gguf(tmp_path / 'yarn.gguf', m.config, t, rope_scaling=('YARN', 4.0)))
+        M.load(write_gguf(tmp_path / 'yarn.gguf', m.config, t, rope_scaling=('YARN', 4.0)))[0]
     t['rope_freqs.weight'] = np.ones(m.config.head_dim // 2, np.float32)
     with pytest.raises(ValueError, match=r"rope_freqs\.weight.* not supported"):
-        M.GPT.from_pretrained(write_gguf(tmp_path / 'l3.gguf', m.config, t))
+        M.load(write_gguf(tmp_path / 'l3.gguf', m.config, t))[0]
 
 
 # ---- the tokenizer a GGUF file carries -----------------------------------------------------------------------
 
 def test_tokenizer_metadata_becomes_model_tokenizer_and_travels(tmp_path):
     m = _model()
-    g = M.GPT.from_pretrained(write_gguf(tmp_path / 'm.gguf', m.config, gguf_tensors(m)))
+    g = M.load(write_gguf(tmp_path / 'm.gguf', m.config, gguf_tensors(m)))[0]
     tok = g.tokenizer
     assert isinstance(tok, T.HFTokenizer) and tok.name == 'bpe-gpt2' and tok.eos_id == 0
     assert tok.vocab_size == len(TOKENS)
@@ -420,7 +420,7 @@ def test_tokenizer_metadata_becomes_model_tokenizer_and_travels(tmp_path):
 def test_sentencepiece_gguf_loads_without_a_tokenizer(tmp_path):
     m = _model()
     with pytest.warns(UserWarning, match=r"GGUF tokenizer model 'llama' is not supported"):
-        g = M.GPT.from_pretrained(write_gguf(tmp_path / 'spm.gguf', m.config, gguf_tensors(m), tokenizer_model='llama'))
+        g = M.load(write_gguf(tmp_path / 'spm.gguf', m.config, gguf_tensors(m), tokenizer_model='llama'))[0]
     assert g.tokenizer is None
     with pytest.raises(T.TokenizerError, match='pass --tokenizer'):
         T.resolve(g)

@@ -62,7 +62,7 @@ def _bert_cfg(**kw):
 
 def test_gpt2_matches_transformers(tmp_path):
     hf = _hf_gpt2(tmp_path)
-    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    model = M.load(str(tmp_path))[0].eval()
     assert model.config.family == 'gpt2' and model.config.tie_embeddings
     assert model.lm_head.weight is model.transformer.wte.weight
     idx = torch.randint(0, V, (2, 17))
@@ -81,7 +81,7 @@ def test_llama_gqa_matches_transformers(tmp_path, rope):
         kw['rope_parameters'] = dict(rope_type='llama3', rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                      high_freq_factor=4.0, original_max_position_embeddings=32)
     hf = _hf_llama(tmp_path, **kw)
-    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    model = M.load(str(tmp_path))[0].eval()
     c = model.config
     assert (c.family, c.n_head, c.n_kv_head, c.tie_embeddings) == ('llama', 4, 2, False)
     assert (c.rope_scaling is not None) == (rope is not None)
@@ -92,7 +92,7 @@ def test_llama_gqa_matches_transformers(tmp_path, rope):
 
 def test_llama_tied_embeddings(tmp_path):
     hf = _hf_llama(tmp_path, tie_word_embeddings=True)
-    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    model = M.load(str(tmp_path))[0].eval()
     assert model.lm_head.weight is model.transformer.wte.weight
     idx = torch.randint(0, V, (1, 9))
     with torch.no_grad():
@@ -103,7 +103,7 @@ def test_bert_matches_transformers_with_padding(tmp_path):
     torch.manual_seed(0)
     hf = transformers.BertModel(_bert_cfg()).eval()
     hf.save_pretrained(tmp_path)
-    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    model = M.load(str(tmp_path))[0].eval()
     assert model.config.family == 'bert' and model.config.num_labels == 0
     idx = torch.randint(0, V, (3, 12))
     tt = torch.randint(0, 2, (3, 12))
@@ -131,7 +131,7 @@ def test_bert_without_pooler_loads(tmp_path, kind, recwarn):
             'masked_lm': lambda c: transformers.BertForMaskedLM(c)}[kind]
     hf = make(_bert_cfg()).eval()
     hf.save_pretrained(tmp_path)
-    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    model = M.load(str(tmp_path))[0].eval()
     pooler_notes = [w for w in recwarn if 'no pooler' in str(w.message)]
     assert len(pooler_notes) == 1
     idx = torch.randint(0, V, (2, 9))
@@ -141,7 +141,7 @@ def test_bert_without_pooler_loads(tmp_path, kind, recwarn):
     with torch.no_grad():
         ref = base(input_ids=idx, attention_mask=mask).last_hidden_state
         torch.testing.assert_close(model.encode(idx, attention_mask=mask), ref, atol=1e-5, rtol=1e-4)
-    clf = M.GPT.from_pretrained(str(tmp_path), num_labels=2)
+    clf = M.load(str(tmp_path), num_labels=2)[0]
     logits, loss = clf.classify(idx, attention_mask=mask, labels=torch.tensor([0, 1]))
     assert logits.shape == (2, 2) and torch.isfinite(loss)
 
@@ -173,7 +173,7 @@ def test_bert_classifier_matches_transformers(tmp_path):
     torch.manual_seed(0)
     hf = transformers.BertForSequenceClassification(_bert_cfg(num_labels=3)).eval()
     hf.save_pretrained(tmp_path)
-    model = M.GPT.from_pretrained(str(tmp_path)).eval()
+    model = M.load(str(tmp_path))[0].eval()
     assert model.config.num_labels == 3
     idx = torch.randint(0, V, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
@@ -187,7 +187,7 @@ def test_bert_classifier_matches_transformers(tmp_path):
     # a classification head requested on a plain BertModel checkpoint is new, not an error
     d2 = tmp_path / 'base'
     transformers.BertModel(_bert_cfg()).save_pretrained(d2)
-    m2 = M.GPT.from_pretrained(str(d2), num_labels=1)
+    m2 = M.load(str(d2), num_labels=1)[0]
     logits, loss = m2.classify(idx, labels=torch.tensor([0.5, -1.0]))
     assert logits.shape == (2, 1) and loss.ndim == 0
 
@@ -198,7 +198,7 @@ def test_sharded_and_bin_checkpoints(tmp_path):
     assert os.path.isfile(tmp_path / 'sharded' / 'model.safetensors.index.json')
     idx = torch.randint(0, V, (1, 8))
     ref = hf(idx).logits.detach()
-    m = M.GPT.from_pretrained(str(tmp_path / 'sharded')).eval()
+    m = M.load(str(tmp_path / 'sharded'))[0].eval()
     torch.testing.assert_close(m(idx)[0].detach(), ref, atol=1e-4, rtol=1e-4)
     # pytorch_model.bin fallback, old GPT-2 key layout (no 'transformer.' prefix, attn.bias buffers)
     binf = tmp_path / 'bin'
@@ -207,7 +207,7 @@ def test_sharded_and_bin_checkpoints(tmp_path):
     sd['h.0.attn.bias'] = torch.ones(1, 1, 64, 64).tril()
     torch.save(sd, binf / 'pytorch_model.bin')
     (binf / 'config.json').write_text((tmp_path / 'one' / 'config.json').read_text())
-    m = M.GPT.from_pretrained(str(binf)).eval()
+    m = M.load(str(binf))[0].eval()
     torch.testing.assert_close(m(idx)[0].detach(), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -220,38 +220,38 @@ def test_missing_unexpected_and_shape_errors(tmp_path):
     sd['transformer.h.0.attn.extra_thing'] = torch.zeros(3)
     save_file(sd, path)
     with pytest.raises(ValueError) as e:
-        M.GPT.from_pretrained(str(tmp_path))
+        M.load(str(tmp_path))[0]
     assert 'missing' in str(e.value) and 'h.1.mlp.c_fc.bias' in str(e.value)
     assert 'unexpected' in str(e.value) and 'h.0.attn.extra_thing' in str(e.value)
     sd = dict(good)
     sd['transformer.ln_f.weight'] = torch.ones(31)
     save_file(sd, path)
     with pytest.raises(ValueError, match=r'ln_f\.weight.*\(31,\)'):
-        M.GPT.from_pretrained(str(tmp_path))
+        M.load(str(tmp_path))[0]
     with pytest.raises(FileNotFoundError):
-        M.GPT.from_pretrained(str(tmp_path / 'nope'))
+        M.load(str(tmp_path / 'nope'))[0]
 
 
 def test_hub_name_without_network_gives_clear_error():
     with pytest.raises(M.UsageError, match='internet'):
-        M.GPT.from_pretrained('no-such-org-xyz-12345/no-such-model')
+        M.load('no-such-org-xyz-12345/no-such-model')[0]
 
 
-def test_from_pretrained_with_linear_attention(tmp_path):
+def test_load_with_linear_attention(tmp_path):
     hf = _hf_llama(tmp_path)
-    model = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=8').eval()
+    model = M.load(str(tmp_path), attn='hedgehog:feature_dim=8')[0].eval()
     assert all(c.spec.name == 'hedgehog' for c in model.attention_cores())
     # the shared weights are the checkpoint's
     torch.testing.assert_close(model.transformer.h[1].attn.k_proj.weight, hf.model.layers[1].self_attn.k_proj.weight)
     idx = torch.randint(0, V, (1, 8))
     assert torch.isfinite(model(idx)[0]).all()
     # cosformer gets max_len = block_size automatically
-    m2 = M.GPT.from_pretrained(str(tmp_path), attn='cosformer', block_size=32)
+    m2 = M.load(str(tmp_path), attn='cosformer', block_size=32)[0]
     assert m2.attention_cores()[0].fmap.max_len == 32
     with pytest.raises(ValueError, match='unknown override'):
-        M.GPT.from_pretrained(str(tmp_path), atn='hedgehog')
+        M.load(str(tmp_path), atn='hedgehog')[0]
     with pytest.raises(ValueError, match='softmax'):
-        M.GPT.from_pretrained(str(tmp_path), attn='nope')
+        M.load(str(tmp_path), attn='nope')[0]
 
 
 # ----------------------------------------------------------------------------- config / errors
@@ -423,7 +423,7 @@ def test_checkpoint_round_trip(tmp_path):
         torch.testing.assert_close(loaded.eval()(idx)[0], model(idx)[0])
         torch.testing.assert_close(M.load(str(path.parent))[0].eval()(idx)[0], model(idx)[0])   # the folder
     # our own checkpoint with a different attention: on its converted layer (issue 35: layer 1 stays softmax)
-    m3 = M.GPT.from_pretrained(str(path), attn='elu')
+    m3 = M.load(str(path), attn='elu')[0]
     assert [c.spec.name for c in m3.attention_cores()] == ['elu', 'softmax']
     with pytest.raises(ValueError, match='not a checkpoint'):
         torch.save({'x': 1}, tmp_path / 'other.pt')
@@ -440,26 +440,26 @@ def test_change_of_impl_keeps_trained_maps_change_of_map_says_so(tmp_path, capsy
                 p.add_(torch.randn_like(p))
     M.save(str(tmp_path / 'ckpt.pt'), model)
     idx = torch.randint(0, V, (2, 9))
-    m2 = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=8:impl=recurrent').eval()
+    m2 = M.load(str(tmp_path), attn='hedgehog:feature_dim=8:impl=recurrent')[0].eval()
     assert all(c.spec.impl == 'recurrent' for c in m2.attention_cores())
     with torch.no_grad():
         torch.testing.assert_close(m2(idx)[0], model(idx)[0], atol=1e-4, rtol=1e-4)
     assert 're-initialised' not in capsys.readouterr().out
-    m4 = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=8:window=4')   # a new window: new cores
+    m4 = M.load(str(tmp_path), attn='hedgehog:feature_dim=8:window=4')[0]   # a new window: new cores
     assert 're-initialised' in capsys.readouterr().out
     M.save(str(tmp_path / 'w' / 'ckpt.pt'), m4)   # a window model loads with sinks and a sparse cache, maps kept
-    m5 = M.GPT.from_pretrained(str(tmp_path / 'w'), attn='hedgehog:feature_dim=8:window=4:sinks=2:cache=8')
+    m5 = M.load(str(tmp_path / 'w'), attn='hedgehog:feature_dim=8:window=4:sinks=2:cache=8')[0]
     assert 're-initialised' not in capsys.readouterr().out and m5.attention_cores()[1].spec.cache == 8
     for a, b in zip(m4.state_dict().items(), m5.state_dict().items()):
         assert a[0] == b[0] and torch.equal(a[1], b[1])
-    m3 = M.GPT.from_pretrained(str(tmp_path), attn='hedgehog:feature_dim=4')
+    m3 = M.load(str(tmp_path), attn='hedgehog:feature_dim=4')[0]
     assert 're-initialised' in capsys.readouterr().out and m3.attention_cores()[0].fmap.feature_dim == 4
 
 
 def test_converted_checkpoint_holds_only_new_tensors_and_is_strict(tmp_path):
     hf_dir = tmp_path / 'hf'
     _hf_llama(hf_dir)
-    model = M.GPT.from_pretrained(str(hf_dir), attn='hedgehog:window=4:feature_dim=8')
+    model = M.load(str(hf_dir), attn='hedgehog:window=4:feature_dim=8')[0]
     model.add_lora(rank=2, targets=('q_proj', 'v_proj'), layers=[1])
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -517,6 +517,33 @@ def test_capture_qkv_records_what_the_cores_see_and_runs_the_teacher():
         with student.capture_qkv(teacher=True):
             torch.testing.assert_close(student(x)[0], logits)
         assert student.attention_cores() == cores and cores[0].mode == 'linear'   # the students are back
+
+
+@pytest.mark.parametrize('attn', ['lolcats:window=4:nope=1:exact=0', 'softmax'])
+def test_grad_ckpt_gives_the_same_loss_and_gradients(attn):
+    """Activation checkpointing (model.grad_ckpt, convert.py --grad_ckpt) remakes each block's
+    activations in backward: the loss and every gradient are those of the plain backward, in
+    float64, dropout included (its random stream is replayed), the shared nope rows too."""
+    model = tiny('llama', dropout=0.1).double()
+    if attn != 'softmax':
+        model.set_attention(attn)
+    model.train()
+    idx = torch.randint(0, V, (2, 24))
+    runs = []
+    for ckpt in (False, True):
+        model.grad_ckpt = ckpt
+        model.zero_grad()
+        torch.manual_seed(3)
+        kept = []   # the tensors autograd keeps for backward, outside the blocks' checkpoints
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                     len(kept)))
+    (l0, g0, n0), (l1, g1, n1) = runs
+    assert l0 == l1 and g0.keys() == g1.keys() and len(g0) > 10 and n1 < n0 / 3
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-12, atol=1e-12, msg=n)
 
 
 def test_init_std_fields():
