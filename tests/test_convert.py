@@ -523,14 +523,15 @@ def test_each_passkey_template_has_words_of_its_own():
 
 
 def test_passkey_batch_scores_the_answer_alone(tmp_path):
-    """Issue 56: stage 2's retrieval samples (--passkey_mix) within --block_size, 'train' wording, right-padded; the
+    """Issue 56: stage 2's retrieval samples (--passkey_mix) within --block_size (RESULTS 21.6: as long as it allows,
+    filler in whole lines), 'train' wording, right-padded; the
     loss is the mean negative log-likelihood of the answer's tokens (' ' and the key's 5 digits, bytes here) alone,
     recomputed by hand from the logits in float64."""
     torch.manual_seed(0)
     m = M.GPT(M.GPTConfig(family='llama', vocab_size=VOCAB, block_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
     tok, gen = tokenizer.ByteTokenizer(), torch.Generator().manual_seed(3)
     x, y = C.passkey_batch(tok, gen, 400, 3)
-    assert x.shape == y.shape and 400 // 4 < x.shape[1] <= 400
+    assert x.shape == y.shape and 400 - 80 < x.shape[1] <= 400   # (the old rule: from 100)
     with torch.no_grad():
         logp, loss, want = m(x)[0].double().log_softmax(-1), float(train.task_loss(m, (x, y))), []
     for b in range(3):
@@ -546,7 +547,7 @@ def test_passkey_batch_scores_the_answer_alone(tmp_path):
 
 def test_passkey_mix_draws_retrieval_batches_at_its_rate(tmp_path, text_file, monkeypatch):
     """Issue 56: with --passkey_mix 0.25 a quarter of stage 2's batches are retrieval samples (the rest the text's),
-    within --block_size (issue 60: --passkey_block's, block / 4 to block tokens), and a run with it trains and
+    within --block_size (issue 60: --passkey_block's, block - 8 tokens or a line less), and a run with it trains and
     reloads."""
     torch.manual_seed(0)
     m = M.GPT(M.GPTConfig(family='llama', vocab_size=VOCAB, block_size=512, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
@@ -566,7 +567,7 @@ def test_passkey_mix_draws_retrieval_batches_at_its_rate(tmp_path, text_file, mo
     share = sum(bool((y == -100).any()) for _, y in drawn) / len(drawn)
     sizes = [x.shape[1] for x, y in drawn if (y == -100).any()]
     assert 0.18 < share < 0.32 and all(x.shape[1] <= 256 for x, y in drawn if not (y == -100).any())
-    assert max(sizes) <= 480 and min(sizes) >= 120 and sum(s > 256 for s in sizes) > len(sizes) / 3
+    assert all(480 - 80 < s <= 480 for s in sizes)
     assert M.load(str(tmp_path / 'pk'))[0] is not None
 
 
