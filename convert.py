@@ -97,7 +97,7 @@ class ConvertConfig:
                                     # v,o: q and k stay the teacher's (QK-Restore)
     passkey_mix: float = num(0.0, ge=0, le=1)   # lm: this share of stage-2 batches:
                                                 # retrieval samples (passkey_batch)
-    passkey_block: int = num(0, ge=0)   # their length: block - 8 tokens
+    passkey_block: int = num(0, ge=0)   # their length: up to block - 8 tokens
                                         # (0: --block_size)
     stage2_lr: float = num(0.0, ge=0, le=1)   # 0 = 1e-3 with LoRA, 3e-4 for a full finetune
     grad_ckpt: bool = False       # stage 2 remakes each block's activations in backward:
@@ -523,10 +523,11 @@ def transfer(model, task, cfg, rt, layers):
 
 def passkey_batch(tok, gen, block_size, batch_size):
     """(x, y) of stage-2 retrieval samples: passkey prompts of PASSKEY_TEMPLATES['train'] (not the
-    probe's, not the test's) of block_size - 8 tokens, the longest that leave room for the answer (a
-    key as far back as the block allows: RESULTS 21.6), the key at a random depth, then the answer;
-    y is -100 (no loss) but at the answer's tokens. Right-padded, so each row's tokens see the same
-    as alone (causal)."""
+    probe's, not the test's) as long as passkey_prompts makes them for block_size - 8 tokens (whole
+    filler lines: 7,774 for 8,192 in SmolLM2's tokens), the longest that leave room for the answer, so
+    that keys are drawn as far back as the block allows (RESULTS 21.6); the key at a random depth, then
+    the answer; y is -100 (no loss) but at the answer's tokens. Right-padded, so each row's tokens see
+    the same as alone (causal)."""
     xs = []
     ys = []
     draw = lambda a, b: int(torch.randint(a, b, (), generator=gen))   # in [a, b)
