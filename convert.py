@@ -523,11 +523,11 @@ def transfer(model, task, cfg, rt, layers):
 
 def passkey_batch(tok, gen, block_size, batch_size):
     """(x, y) of stage-2 retrieval samples: passkey prompts of PASSKEY_TEMPLATES['train'] (not the
-    probe's, not the test's) as long as passkey_prompts makes them for block_size - 8 tokens (whole
-    filler lines: 7,774 for 8,192 in SmolLM2's tokens), the longest that leave room for the answer, so
-    that keys are drawn as far back as the block allows (RESULTS 21.6); the key at a random depth, then
-    the answer; y is -100 (no loss) but at the answer's tokens. Right-padded, so each row's tokens see
-    the same as alone (causal)."""
+    probe's, not the test's) as long as passkey_prompts makes them for block_size - 8 tokens
+    (whole filler lines: 7,774 for 8,192 in SmolLM2's tokens), the longest that leave room for
+    the answer, so that keys are drawn as far back as the block allows (RESULTS 21.6); the key at
+    a random depth, then the answer; y is -100 (no loss) but at the answer's tokens. Right-padded,
+    so each row's tokens see the same as alone (causal)."""
     xs = []
     ys = []
     draw = lambda a, b: int(torch.randint(a, b, (), generator=gen))   # in [a, b)
