@@ -220,12 +220,12 @@ def load_summaries(data, limit=0):
             f'({type(e).__name__}); pass a JSONL of {{"dialogue", "summary"}}')
     return list(zip(ds['dialogue'], ds['summary']))[:limit or None], f'{data or "samsum"} (test)'
 
-def greedy(model, ids, max_new_tokens, eos_id, device='cpu', cuda_graph=False):
+def greedy(model, ids, max_new_tokens, eos_id, device='cpu', graph=False):
     """The new tokens (a list) of model's greedy continuation of the token list ids.
 
     Up to max_new_tokens, stopping after eos_id (model.GPT.generate)."""
     return model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.0,
-                          eos_token_id=eos_id, cuda_graph=cuda_graph)[0, len(ids):].tolist()
+                          eos_token_id=eos_id, graph=graph)[0, len(ids):].tolist()
 
 def summarize(model, tok, dialogue, max_new_tokens, device='cpu'):
     """Greedy summary of a dialogue in the SAMSum prompt, up to EOS.
@@ -901,7 +901,7 @@ def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,),
     model.prefill builds the state of the first L - DECODE_STEPS - 2 tokens of B random rows (the KV
     cache or recurrent state generation would hold), then Timer.timeit runs 2 warm-up and
     DECODE_STEPS timed steps up to L (their mean): model.decode_step, or with graph the step
-    replayed as a CUDA graph (model.DecodeGraph); tokens/s: B / time per step. aten_ops: the kernels
+    on buffers of its own (model.DecodeGraph: replayed as a CUDA graph, or compiled on the CPU); tokens/s: B / time per step. aten_ops: the kernels
     of one eager step (step_ops). Memory: the attention state (exact) and the process RSS. Random
     models of softmax and each map, or `model`'s attention against its softmax teacher
     (teacher=False: alone)."""
@@ -1088,8 +1088,8 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     teacher: bool = True          # bench decode --ckpt: time its softmax
                                   # teacher too (--no_teacher: the model only)
     decode_batch: str = ''        # bench decode: batch sizes, comma-separated (default 1)
-    graph: bool = False           # bench decode, generate: replay the
-                                  # one-token step as a CUDA graph (CUDA only)
+    graph: bool = False           # bench decode, generate: the one-token step
+                                  # replayed as a CUDA graph (cuda), compiled (cpu)
     qk: Literal['model', 'teacher'] = 'model'   # fidelity: q, k from the model's own pass,
                                                 # or from its softmax teacher's (every core
                                                 # in teacher mode, as convert.py measures it)
@@ -1108,9 +1108,9 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
         train.check_ranges(self)
         self.device = train.check_device(self.device)
         parse_list(self.decode_batch or '1', 'decode_batch')   # checked here
-        if self.graph and not self.device.startswith('cuda'):
-            raise UsageError(
-                f'--graph replays CUDA graphs: it needs --device cuda, not {self.device}')
+        if self.graph and self.device.split(':')[0] not in ('cuda', 'cpu'):
+            raise UsageError(f'--graph runs on cuda (a CUDA graph) or cpu (compiled), '
+                             f'not {self.device}')
         parse_maps(self.maps)   # their specs, checked here
         attention.AttnSpec.parse(self.attn or 'softmax')
 

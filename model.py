@@ -513,15 +513,16 @@ class GPT(Transformer):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_token_id=None,
-                 use_cache=True, cuda_graph=False):
+                 use_cache=True, graph=False):
         """Append up to max_new_tokens tokens to idx (B, T), each drawn by sample().
 
         Each token is sample(logits, temperature, top_k). A row that produced eos_token_id (an int
         or a list) keeps producing it; generation stops when every row has. use_cache: prefill,
         then one token at a time with each layer's state (a KV cache for softmax, constant-size for
         linear maps and hybrids); otherwise full forward passes (the reference; learned positions
-        crop the context to block_size, as in nanoGPT). cuda_graph: the step replayed as a CUDA
-        graph (DecodeGraph; CUDA)."""
+        crop the context to block_size, as in nanoGPT). graph: the step on buffers of its own
+        (DecodeGraph), replayed as a CUDA graph (CUDA) or compiled (the CPU: worth its minutes of
+        compiling for long generations alone)."""
         cfg = self.config
         B, T0 = idx.size()
         if temperature < 0:
@@ -537,17 +538,17 @@ class GPT(Transformer):
                else torch.as_tensor(eos_token_id, device=idx.device).view(-1))
         finished = idx.new_zeros(B, dtype=torch.bool)
         out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], 1)   # the tokens, preallocated
-        states = graph = None
+        states = step = None
         for t in range(T0, T0 + max_new_tokens):   # t: the position of the token generated
             if not use_cache:
                 logits = self(out[:, 0 if self.rope else max(t - cfg.block_size, 0):t])[0][:, -1]
             elif states is None:
                 logits, states = self.prefill(idx)
                 pos = idx.new_full((1,), T0, dtype=torch.long)   # the next input's
-                if cuda_graph:
-                    graph = DecodeGraph(self, out[:, T0 - 1], pos, states, T0 + max_new_tokens)
-            elif graph is not None:
-                logits = graph(out[:, t - 1])
+                if graph:
+                    step = DecodeGraph(self, out[:, T0 - 1], pos, states, T0 + max_new_tokens)
+            elif step is not None:
+                logits = step(out[:, t - 1])
             else:
                 logits, states = self.decode_step(out[:, t - 1], pos, states)
                 pos = pos + 1
@@ -572,19 +573,26 @@ def sample(logits, temperature=1.0, top_k=None):
     return torch.multinomial(logits.softmax(-1), num_samples=1).squeeze(1)
 
 class DecodeGraph:
-    """GPT.decode_step captured once as a CUDA graph and replayed for every token.
+    """GPT.decode_step on buffers of its own, run for every token: captured once as a CUDA graph and
+    replayed (CUDA), or compiled by torch.compile and called (the CPU).
 
     As mamba_ssm's cg=True, or HF's static cache with torch.compile. The states live in fixed
     buffers (KV caches static, with room for `capacity` tokens; hybrids.static_state), the token and
     position in fixed tensors; a replay launches the step's kernels at once, with no Python between
     them. compile: the step first fused by torch.compile (inductor: fewer kernels than aten ops).
+    On the CPU the step is always compiled (inductor's C++ kernels: a C++ compiler is needed; the
+    first call compiles, about 2 minutes for SmolLM2-135M on two cores) and called as it is: the
+    buffers' Python attributes (a window state's token count n) stay those of the first step, so
+    that torch.compile's guards on them hold and it compiles once (the step reads the position
+    from the device tensor pos; tests/test_model.py::test_static_step_replays_like_eager).
     After a prefill (pos: tok's position):
         step = DecodeGraph(model, tok, pos, states, capacity)
         logits = step(tok)   # the next token's logits; pos moves on"""
 
     def __init__(self, model, tok, pos, states, capacity, compile=False):
-        if tok.device.type != 'cuda':
-            raise UsageError(f"CUDA graphs need the model on a CUDA device, not {tok.device.type}")
+        if tok.device.type not in ('cuda', 'cpu'):
+            raise UsageError(f"a DecodeGraph runs on CUDA (a graph) or the CPU (compiled), "
+                             f"not {tok.device.type}")
         if any(core.spec.name == 'cosformer' for core in model.attention_cores()):
             raise UsageError(
                 "cosformer's features depend on the position on the host: no CUDA graph")
@@ -592,26 +600,37 @@ class DecodeGraph:
         self.tok = tok.clone()
         self.pos = pos.clone()
         self.left = capacity - int(pos)   # tokens it may decode
-        step = torch.compile(model.decode_step, dynamic=False) if compile else model.decode_step
+        cpu = tok.device.type == 'cpu'
+        self.step = torch.compile(model.decode_step, dynamic=False) if compile or cpu else \
+            model.decode_step
+        self.graph = None
+        if cpu:
+            return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # warm-up off the graph: lazy initialisation, kernel compilation
         with torch.cuda.stream(side):
             for _ in range(2):
-                step(self.tok, self.pos, self.states)
+                self.step(self.tok, self.pos, self.states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits, new_states = step(self.tok, self.pos, self.states)
-            # what the step made anew, back into the fixed buffers
-            copy_state_(self.states, new_states)
-            self.pos.add_(1)
+            self.logits = self._run()
+
+    def _run(self):
+        """One step on the buffers: the logits; what the step made anew copied back into them."""
+        logits, new_states = self.step(self.tok, self.pos, self.states)
+        copy_state_(self.states, new_states)
+        self.pos.add_(1)
+        return logits
 
     def __call__(self, tok):
         if self.left <= 0:   # (the graph itself cannot check: it would write past its buffers)
             raise UsageError("the CUDA graph's KV caches are full: make it with a larger capacity")
         self.left -= 1
         self.tok.copy_(tok)
+        if self.graph is None:   # the CPU: the compiled step itself
+            return self._run()
         self.graph.replay()
         return self.logits
 

@@ -713,6 +713,29 @@ def test_static_step_replays_like_eager(spec):
         tok_buf.copy_(tok)
 
 
+def test_cpu_decode_graph_compiles_once_and_equals_eager(monkeypatch):
+    """Issue 64: model.DecodeGraph on the CPU: the step compiled by torch.compile (inductor's C++
+    kernels) on static buffers, with a window of 4 and an exact KV head (a KV cache beside the
+    window's slots and sums): 10 tokens, the ring wrapped twice, each step's logits equal eager
+    decoding's, and compiled once (a recompile raises: the window state's Python count n, which
+    dynamo guards on, is the buffers' own and stays as it was; the model's own decode_step,
+    handed the states it returned, recompiles at every step). generate(graph=True) gives eager's
+    tokens."""
+    monkeypatch.setattr(torch._dynamo.config, 'error_on_recompile', True)
+    torch._dynamo.reset()
+    model = _spread(tiny('llama', attn='lolcats:window=4:exact=0'))
+    prompt = torch.randint(0, V, (2, 7))
+    logits, states = model.prefill(prompt)
+    tok, pos = logits.argmax(-1), torch.full((1,), 7)
+    step = M.DecodeGraph(model, tok, pos, states, 7 + 11)
+    for _ in range(10):
+        want, states = model.decode_step(tok, pos, states)
+        torch.testing.assert_close(step(tok), want, atol=1e-5, rtol=1e-5)
+        tok, pos = want.argmax(-1), pos + 1
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(prompt, 6, temperature=0.0, graph=True),
+                       model.generate(prompt, 6, temperature=0.0))
+
 def _to_meta(state):
     """A decode state (or a list of them) with every tensor on the meta device."""
     if isinstance(state, list):
