@@ -901,10 +901,10 @@ def bench_decode(lengths, specs, device, model=None, teacher=True, batches=(1,),
     model.prefill builds the state of the first L - DECODE_STEPS - 2 tokens of B random rows (the KV
     cache or recurrent state generation would hold), then Timer.timeit runs 2 warm-up and
     DECODE_STEPS timed steps up to L (their mean): model.decode_step, or with graph the step
-    on buffers of its own (model.DecodeGraph: replayed as a CUDA graph, or compiled on the CPU); tokens/s: B / time per step. aten_ops: the kernels
-    of one eager step (step_ops). Memory: the attention state (exact) and the process RSS. Random
-    models of softmax and each map, or `model`'s attention against its softmax teacher
-    (teacher=False: alone)."""
+    on buffers of its own (model.DecodeGraph: replayed as a CUDA graph, or compiled on the CPU);
+    tokens/s: B / time per step. aten_ops: the kernels of one eager step (step_ops). Memory: the
+    attention state (exact) and the process RSS. Random models of softmax and each map, or `model`'s
+    attention against its softmax teacher (teacher=False: alone)."""
     rows = []
     own = specs if model is None else [(describe_attention(model), None)]
     for label, spec in [('softmax', attention.AttnSpec())] * (model is None or teacher) + own:
