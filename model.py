@@ -595,7 +595,7 @@ class DecodeGraph:
                              f"not {tok.device.type}")
         if any(core.spec.name == 'cosformer' for core in model.attention_cores()):
             raise UsageError(
-                "cosformer's features depend on the position on the host: no CUDA graph")
+                "cosformer's features depend on the position on the host: no DecodeGraph")
         self.states = [LayerState(static_state(s.attn, capacity), s.conv) for s in states]
         self.tok = tok.clone()
         self.pos = pos.clone()
