@@ -584,7 +584,8 @@ class DecodeGraph:
     first call compiles, about 2 minutes for SmolLM2-135M on two cores) and called as it is: the
     buffers' Python attributes (a window state's token count n) stay those of the first step, so
     that torch.compile's guards on them hold and it compiles once (the step reads the position
-    from the device tensor pos; tests/test_model.py::test_static_step_replays_like_eager).
+    from the device tensor pos; tests/test_model.py::test_static_step_replays_like_eager and
+    ::test_cpu_decode_graph_compiles_once_and_equals_eager; RESULTS 6.8).
     After a prefill (pos: tok's position):
         step = DecodeGraph(model, tok, pos, states, capacity)
         logits = step(tok)   # the next token's logits; pos moves on"""
@@ -626,7 +627,7 @@ class DecodeGraph:
 
     def __call__(self, tok):
         if self.left <= 0:   # (the graph itself cannot check: it would write past its buffers)
-            raise UsageError("the CUDA graph's KV caches are full: make it with a larger capacity")
+            raise UsageError("the DecodeGraph's KV caches are full: make it with a larger capacity")
         self.left -= 1
         self.tok.copy_(tok)
         if self.graph is None:   # the CPU: the compiled step itself
