@@ -735,6 +735,12 @@ def test_cpu_decode_graph_compiles_once_and_equals_eager(monkeypatch):
     torch._dynamo.reset()
     assert torch.equal(model.generate(prompt, 6, temperature=0.0, graph=True),
                        model.generate(prompt, 6, temperature=0.0))
+    torch._dynamo.reset()
+    plain = torch.compile(model.decode_step, dynamic=False)   # what DecodeGraph's buffers avoid
+    _, states = plain(tok, pos, states)
+    with pytest.raises(Exception, match='Recompil'):
+        plain(tok, pos + 1, states)
+
 
 def _to_meta(state):
     """A decode state (or a list of them) with every tensor on the meta device."""
