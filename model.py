@@ -584,8 +584,9 @@ class DecodeGraph:
     first call compiles: 106-117 s for SmolLM2-135M's shape on one thread, inductor's cache cold)
     and called as it is: the buffers' Python attributes (a window state's token count n) stay
     those of the first step, so that torch.compile's guards on them hold and it compiles once (the
-    step reads the position from the device tensor pos; tests/test_model.py::test_static_step_replays_like_eager and
-    ::test_cpu_decode_graph_compiles_once_and_equals_eager; RESULTS 6.8).
+    step reads the position from the device tensor pos; tests/test_model.py::
+    test_static_step_replays_like_eager and ::test_cpu_decode_graph_compiles_once_and_equals_eager;
+    RESULTS 6.8).
     After a prefill (pos: tok's position):
         step = DecodeGraph(model, tok, pos, states, capacity)
         logits = step(tok)   # the next token's logits; pos moves on"""
