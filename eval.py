@@ -54,10 +54,11 @@ DEFAULT_PROMPTS = ('The capital of France is Paris. The capital of Germany is',
                    'Once upon a time, in a small village,')
 
 # ---- loading -----------------------------------------------------------------
-def load_model(ckpt, device='cpu', attn=''):
-    """(model, extra) by model.load (with attention `attn` if given), its error in one line."""
+def load_model(ckpt, device='cpu', **overrides):
+    """(model, extra) by model.load with the GPTConfig `overrides` that are set (attn, rope_theta),
+    its error in one line."""
     try:
-        m, extra = M.load(ckpt, **({'attn': attn} if attn else {}))
+        m, extra = M.load(ckpt, **{k: v for k, v in overrides.items() if v})
     except train.USER_ERRORS as e:
         # a UsageError names the problem; other errors are named by their type
         why = '' if isinstance(e, UsageError) else f'{type(e).__name__}: '
@@ -72,9 +73,11 @@ def load(args, causal_for=None, with_tokenizer=True):
     if not args.ckpt:
         raise UsageError('this report needs --ckpt (a checkpoint from train.py/convert.py, '
                          'an HF folder or hub name)')
-    model, extra = load_model(args.ckpt, args.device, args.attn)
+    model, extra = load_model(args.ckpt, args.device, attn=args.attn, rope_theta=args.rope_theta)
     if causal_for and model.config.family == 'bert':
         raise UsageError(f'--{causal_for} needs a causal model (family gpt2 or llama), got bert')
+    if args.rope_theta and not model.rope:
+        raise UsageError(f'--rope_theta needs a RoPE model (llama), got {model.config.family}')
     if args.context > model.config.block_size and not model.rope:   # RoPE runs past it
         raise UsageError(f'--context {args.context} > block_size {model.config.block_size} '
                          '(learned positions)')
@@ -303,7 +306,8 @@ def report_generate(args):
     runs = [(describe_attention(model), model)]
     base = extra.get('base')   # a convert.py checkpoint names its base
     if any(c.mode != 'softmax' for c in model.attention_cores()) and base:
-        runs += [('softmax teacher', load_model(base, args.device)[0])]
+        teacher = load_model(base, args.device, rope_theta=args.rope_theta)[0]
+        runs += [('softmax teacher', teacher)]
     log(f'tokenizer: {tok.name}; greedy, {args.max_new_tokens} new tokens '
         f'(stop at EOS {tok.eos_id}); {" vs ".join(n for n, _ in runs)}')
     rows = []
@@ -1063,6 +1067,10 @@ class EvalConfig:   # the flags (train.parse_config); the reports first, one per
     attn: str = ''                # load --ckpt with this attention: e.g.
                                   # lolcats:window=64:sinks=4:cache=256 (trained maps
                                   # kept if only impl/sinks/cache/decay/nope change)
+    rope_theta: float = num(0.0, ge=0)   # llama: RoPE's base in place of the checkpoint's
+                                  # (0: its own); past the trained length L, NTK-aware
+                                  # scaling to F x L: theta F^(D/(D-2)), D the head size
+                                  # (RESULTS 21.7)
     tokenizer: str = ''           # a HF folder or .gguf file whose
                                   # tokenizer replaces the model's own
     data: str = ''                # input data (see each report)

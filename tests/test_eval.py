@@ -1,5 +1,6 @@
 """eval.py: every report runs on tiny local data on CPU; metric code agrees with trusted references
 (rouge-score for ROUGE, scikit-learn / scipy for the GLUE metrics)."""
+import dataclasses
 import json
 import math
 import os
@@ -159,7 +160,8 @@ def test_ppl_report(tmp_path, capsys):
 
 def test_ppl_and_generate_past_block_size_on_rope_only(tmp_path, capsys):
     """Issue 60: a RoPE model is scored past its trained length (--context > block_size: 16K on SmolLM2, trained to
-    8K), equal to the direct log-softmax over one window, and generates past it (--max_new_tokens > block_size) as
+    8K), equal to the direct log-softmax over one window (with --rope_theta, that of the weights built with the
+    base), and generates past it (--max_new_tokens > block_size) as
     model.generate does; learned positions stop at block_size, in one line each."""
     torch.manual_seed(0)
     cfg = M.GPTConfig(family='llama', vocab_size=_vocab(), block_size=16, n_layer=2, n_head=2, n_kv_head=1,
@@ -175,7 +177,27 @@ def test_ppl_and_generate_past_block_size_on_rope_only(tmp_path, capsys):
     with torch.no_grad():
         nll = -F.log_softmax(m(x[None, :-1])[0][0].double(), -1).gather(-1, x[1:, None]).mean().item()
     assert _json(out, 'ppl')['ppl'] == pytest.approx(math.exp(nll), rel=1e-5)
+    # --rope_theta: the weights built with that base (q, o and the tied head scaled up: random weights attend
+    # near evenly, and the blocks' outputs hardly move the logits)
+    scale = {'q_proj': 30, 'o_proj': 30, 'wte': 10, 'lm_head': 10}
+    sharp = M.GPT(cfg).eval()
+    sharp.load_state_dict({k: w * max([s for n, s in scale.items() if n in k] or [1])
+                           for k, w in m.state_dict().items()})
+    M.save(str(tmp_path / 'sharp.pt'), sharp)
+    ntk = M.GPT(dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 3 ** (16 / 14))).eval()
+    ntk.load_state_dict(sharp.state_dict())
+    nlls = []
+    for theta, net in ((0, sharp), (ntk.config.rope_theta, ntk)):
+        assert _run(['--ckpt', str(tmp_path / 'sharp.pt'), '--ppl', '--data', str(tmp_path / 'short.txt'),
+                     '--context', '48', '--stride', '48', '--rope_theta', str(theta), '--out_dir', out]) == 0
+        with torch.no_grad():
+            nlls.append(-F.log_softmax(net(x[None, :-1])[0][0].double(), -1).gather(-1, x[1:, None]).mean().item())
+        assert _json(out, 'ppl')['ppl'] == pytest.approx(math.exp(nlls[-1]), rel=1e-5)
+    assert abs(nlls[1] - nlls[0]) > 1e-3
     _, gpt2 = _tiny_gpt(tmp_path, block_size=16)
+    capsys.readouterr()
+    assert ev.main(['--ckpt', gpt2, '--ppl', '--data', str(tmp_path / 'short.txt'), '--rope_theta', '1e5']) == 2
+    assert capsys.readouterr().err.strip() == 'eval.py: error: --rope_theta needs a RoPE model (llama), got gpt2'
     capsys.readouterr()
     assert ev.main(['--ckpt', gpt2, '--ppl', '--data', str(tmp_path / 'short.txt'), '--context', '48']) == 2
     assert capsys.readouterr().err.strip() == 'eval.py: error: --context 48 > block_size 16 (learned positions)'
