@@ -32,6 +32,7 @@ VALID = {   # (option, value) -> why exit 0 is right; any other value must be re
     ('limit', 'huge'): 'eval: at most N, so all of them',
     ('eval_batches', 'huge'): 'convert: at most N windows, so the whole held-out text',
     ('dof_lambda', 'huge'): 'any lambda > 0 (a large one gives every layer the same dim)',
+    ('rope_theta', 'huge'): 'any RoPE base (a large one turns q and k by nearly nothing)',
     ('data', 'text'): 'text to read', ('val_data', 'text'): 'text to read',
     ('prompt', 'missing'): 'any text is a prompt', ('prompt', 'text'): 'any text is a prompt',
     ('prompt', 'trunc'): 'any text is a prompt',
