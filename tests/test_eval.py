@@ -199,7 +199,6 @@ def test_ppl_and_generate_past_block_size_on_rope_only(tmp_path, capsys):
     capsys.readouterr()
     assert ev.main(['--ckpt', gpt2, '--ppl', '--data', str(tmp_path / 'short.txt'), '--rope_theta', '1e5']) == 2
     assert capsys.readouterr().err.strip() == 'eval.py: error: --rope_theta needs a RoPE model (llama), got gpt2'
-    capsys.readouterr()
     assert ev.main(['--ckpt', gpt2, '--ppl', '--data', str(tmp_path / 'short.txt'), '--context', '48']) == 2
     assert capsys.readouterr().err.strip() == 'eval.py: error: --context 48 > block_size 16 (learned positions)'
     assert _run(['--ckpt', ckpt, '--generate', '--prompt', 'ab', '--max_new_tokens', '24', '--out_dir', out]) == 0
